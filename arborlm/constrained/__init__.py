@@ -1,0 +1,1 @@
+"""Grammar-constrained decoding (to be built: issue 3)."""

@@ -1,0 +1,1 @@
+"""Attention kernels over the paged KV layout: torch reference / CPU path, Triton on CUDA."""

@@ -1,0 +1,1 @@
+"""KV memory pools and the radix-tree prefix cache."""

@@ -1,0 +1,1 @@
+"""The runtime: everything that turns requests into tokens."""

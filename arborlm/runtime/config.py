@@ -1,0 +1,165 @@
+"""Every runtime knob, in frozen dataclasses per concern composed into `ServerArgs`.
+
+`ServerArgs.from_kwargs(**kw)` routes flat keyword arguments (as `Engine(**kw)` and
+the CLI receive them) to the concern that owns each field. Each `__post_init__`
+raises `ValueError` naming the field and the bad value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
+
+
+def _check(cond: bool, name: str, value: Any, expected: str) -> None:
+    if not cond:
+        raise ValueError(f"{name}={value!r} is invalid: expected {expected}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to run and in what precision."""
+
+    model_path: str | None = field(
+        default=None, metadata={"help": "HF checkpoint folder or GGUF file; default SmolLM2-135M-Instruct"}
+    )
+    dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16 | float16"})
+    context_length: int | None = field(
+        default=None, metadata={"help": "max tokens per request (prompt + output); default from the model"}
+    )
+    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
+
+    def __post_init__(self):
+        _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
+        _check(self.device in ("auto", "cpu", "cuda"), "device", self.device, "auto, cpu or cuda")
+        _check(
+            self.context_length is None or self.context_length > 0,
+            "context_length", self.context_length, "a positive integer",
+        )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """KV memory pools and the radix cache."""
+
+    max_total_tokens: int | None = field(
+        default=None, metadata={"help": "KV pool size in tokens; default from mem_fraction"}
+    )
+    mem_fraction: float = field(
+        default=0.1, metadata={"help": "fraction of free device memory given to the KV pool"}
+    )
+    page_size: int = field(default=1, metadata={"help": "tokens per radix-cache page"})
+    disable_radix_cache: bool = field(default=False, metadata={"help": "turn prefix sharing off"})
+
+    def __post_init__(self):
+        _check(
+            self.max_total_tokens is None or self.max_total_tokens > 0,
+            "max_total_tokens", self.max_total_tokens, "a positive integer",
+        )
+        _check(0 < self.mem_fraction <= 1, "mem_fraction", self.mem_fraction, "a value in (0, 1]")
+        _check(self.page_size >= 1, "page_size", self.page_size, "an integer >= 1")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Admission, batching and preemption."""
+
+    max_running_requests: int = field(default=64, metadata={"help": "max requests decoding together"})
+    max_prefill_tokens: int = field(default=4096, metadata={"help": "token budget of one prefill batch"})
+    chunked_prefill_size: int = field(
+        default=2048, metadata={"help": "prompts longer than this are prefilled in chunks; -1 disables"}
+    )
+    schedule_policy: str = field(default="lpm", metadata={"help": "lpm | fcfs | dfs-weight"})
+    init_new_token_ratio: float = field(
+        default=0.7, metadata={"help": "initial share of max_new_tokens reserved at admission"}
+    )
+    min_new_token_ratio: float = field(default=0.1, metadata={"help": "floor of that share"})
+    new_token_ratio_decay: float = field(
+        default=0.001, metadata={"help": "how much the share falls each decode step without retraction"}
+    )
+    random_seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
+
+    def __post_init__(self):
+        _check(self.max_running_requests >= 1, "max_running_requests", self.max_running_requests, ">= 1")
+        _check(self.max_prefill_tokens >= 1, "max_prefill_tokens", self.max_prefill_tokens, ">= 1")
+        _check(
+            self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1,
+            "chunked_prefill_size", self.chunked_prefill_size, "-1 or >= 1",
+        )
+        _check(
+            self.schedule_policy in SCHEDULE_POLICIES,
+            "schedule_policy", self.schedule_policy, f"one of {SCHEDULE_POLICIES}",
+        )
+        _check(
+            0 <= self.min_new_token_ratio <= self.init_new_token_ratio <= 1,
+            "init_new_token_ratio", self.init_new_token_ratio,
+            "0 <= min_new_token_ratio <= init_new_token_ratio <= 1",
+        )
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP front (used by `arborlm serve`)."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
+    port: int = field(default=30000, metadata={"help": "port to bind"})
+    api_key: str | None = field(default=None, metadata={"help": "require this bearer token"})
+    log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
+
+    def __post_init__(self):
+        _check(0 <= self.port < 65536, "port", self.port, "0..65535")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """All runtime settings, one concern per member."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
+        """Build from flat keyword arguments (`dtype="float32"`, `max_total_tokens=4096`).
+
+        `model=` is accepted as an alias of `model_path`.
+
+        Raises
+        ------
+        TypeError
+            For a keyword that no concern owns (the message lists the valid ones).
+        ValueError
+            For a value out of range (from the concern's `__post_init__`).
+        """
+        if "model" in kwargs:
+            kwargs["model_path"] = kwargs.pop("model")
+        groups: dict[str, dict[str, Any]] = {}
+        for member in fields(cls):
+            names = {f.name for f in fields(member.default_factory)}
+            groups[member.name] = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        if kwargs:
+            raise TypeError(
+                f"unknown server argument(s) {sorted(kwargs)}; valid: {sorted(cls.field_names())}"
+            )
+        return cls(**{m.name: m.default_factory(**groups[m.name]) for m in fields(cls)})
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """Every flat field name, in declaration order."""
+        return [f.name for m in fields(cls) for f in fields(m.default_factory)]
+
+    def replace(self, **kwargs: Any) -> ServerArgs:
+        """A copy with some flat fields changed."""
+        flat = {f.name: getattr(getattr(self, m.name), f.name)
+                for m in fields(self) for f in fields(m.default_factory)}
+        flat.update(kwargs)
+        return ServerArgs.from_kwargs(**flat)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat dict of every field (for /get_server_info and logs)."""
+        return {k: v for m in fields(self) for k, v in dataclasses.asdict(getattr(self, m.name)).items()}
