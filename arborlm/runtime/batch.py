@@ -104,9 +104,12 @@ class ForwardBatch:
         """
         device = token_to_kv_pool.device
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-        positions = torch.cat(
-            [torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix_lens, seq_lens)]
-        )
+        if forward_mode.is_decode():
+            positions = torch.tensor(prefix_lens, dtype=torch.int64)
+        else:
+            positions = torch.cat(
+                [torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix_lens, seq_lens)]
+            )
 
         def as_tensor(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)

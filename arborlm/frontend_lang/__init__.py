@@ -1,0 +1,1 @@
+"""The @function DSL: prompt programs that call the runtime through a backend."""

@@ -1,0 +1,1 @@
+"""Backends that run a program's generation calls."""

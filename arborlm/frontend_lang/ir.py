@@ -1,0 +1,78 @@
+"""The DSL's expressions: what `s += ...` accepts.
+
+A program appends expressions to its `ProgramState`: plain text, `gen` calls,
+role blocks and concatenations of these (`"Q: " + gen("a")`). The interpreter
+(`interpreter.py`) gives them meaning; here they are only data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = ("system", "user", "assistant")
+
+
+class SglExpr:
+    """Base of every expression; `+` concatenates."""
+
+    def __add__(self, other: Any) -> SglExprList:
+        return SglExprList([self, to_expr(other)])
+
+    def __radd__(self, other: Any) -> SglExprList:
+        return SglExprList([to_expr(other), self])
+
+
+@dataclass
+class SglConstantText(SglExpr):
+    value: str
+
+
+@dataclass
+class SglExprList(SglExpr):
+    exprs: list[SglExpr]
+
+    def __add__(self, other: Any) -> SglExprList:
+        return SglExprList([*self.exprs, to_expr(other)])
+
+
+@dataclass
+class SglGen(SglExpr):
+    """A generation call whose text is stored under `name`.
+
+    sampling: the `SamplingParams` fields given to `gen` (None fields omitted),
+    e.g. {"max_new_tokens": 64, "stop": ["\\n"], "temperature": 0}.
+    """
+
+    name: str | None
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SglRoleBegin(SglExpr):
+    role: str
+
+
+@dataclass
+class SglRoleEnd(SglExpr):
+    role: str
+
+
+def to_expr(value: Any) -> SglExpr:
+    """Text or an expression as an expression.
+
+    Raises
+    ------
+    TypeError: for anything else (the message names the type).
+    """
+    if isinstance(value, SglExpr):
+        return value
+    if isinstance(value, str):
+        return SglConstantText(value)
+    raise TypeError(f"cannot append a {type(value).__name__} to a program; use str or gen()/select()/roles")
+
+
+def role_block(role: str, expr: Any = None) -> SglExpr:
+    """`system(...)`, `user(...)`, `assistant(...)`: the content wrapped in the role's markers."""
+    inner = [] if expr is None else [to_expr(expr)]
+    return SglExprList([SglRoleBegin(role), *inner, SglRoleEnd(role)])

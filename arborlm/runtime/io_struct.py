@@ -1,0 +1,90 @@
+"""Messages between the front (tokenizer manager) and the scheduler process.
+
+Plain dataclasses, pickled over zmq. The front sends `TokenizedGenerateReqInput`,
+`AbortReq`, `FlushCacheReq` and `GetInfoReq`; the scheduler answers with
+`BatchTokenOut` after each step and `InfoOut` on request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from arborlm.runtime.sampling import SamplingParams
+
+
+@dataclass
+class TokenizedGenerateReqInput:
+    """One generation request, tokenized and validated by the front.
+
+    input_ids: prompt token ids (at least one token).
+    seed: the sampling seed actually used (the request's or one derived from the server's).
+    logprob_start_len: first prompt position whose logprob is returned; -1 = none.
+    """
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+
+
+@dataclass
+class AbortReq:
+    """Stop a request; its KV goes to the cache and it finishes with `abort`."""
+
+    rid: str
+
+
+@dataclass
+class FlushCacheReq:
+    """Drop every unlocked radix-cache entry (only when no request is running)."""
+
+
+@dataclass
+class GetInfoReq:
+    """Ask for live scheduler figures (and run the pool invariant checks)."""
+
+    check_invariants: bool = False
+
+
+@dataclass
+class InfoOut:
+    """Live scheduler figures."""
+
+    info: dict[str, Any]
+
+
+@dataclass
+class ReqOutput:
+    """What one request produced in one scheduler step.
+
+    new_token_ids: tokens generated this step (usually one).
+    finish_reason: None while running, else SGLang's dict, e.g.
+        {"type": "stop", "matched": 2}, {"type": "length", "length": 16},
+        {"type": "abort", "message": "..."}.
+    output_token_logprobs: per new token, (logprob, token_id).
+    output_top_logprobs: per new token, list of (logprob, token_id).
+    input_token_logprobs / input_top_logprobs: prompt logprobs, sent once with the first token.
+    """
+
+    rid: str
+    new_token_ids: list[int]
+    finish_reason: dict[str, Any] | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_token_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+
+
+@dataclass
+class BatchTokenOut:
+    """All request outputs of one scheduler step."""
+
+    outputs: list[ReqOutput]

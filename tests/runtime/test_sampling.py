@@ -1,0 +1,381 @@
+"""Tests of arborlm.runtime.sampling: parameter validation, penalties, filters, seeds."""
+
+import pickle
+
+import pytest
+import torch
+
+from arborlm.errors import InvalidRequestError
+from arborlm.runtime.sampling import (
+    Sampler,
+    SamplingBatchInfo,
+    SamplingParams,
+    compute_logprobs,
+    filter_probs,
+    make_generator,
+)
+
+VOCAB = 32
+
+
+def make_info(params_list, seeds=None, vocab_size=VOCAB, generators=None):
+    seeds = seeds if seeds is not None else [i for i in range(len(params_list))]
+    return SamplingBatchInfo.from_params(params_list, seeds, vocab_size, "cpu", generators)
+
+
+def random_logits(batch_size, vocab_size=VOCAB, seed=0):
+    return torch.randn(batch_size, vocab_size, generator=torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------- SamplingParams
+
+
+INVALID = [
+    ({"max_new_tokens": -1}, "max_new_tokens"),
+    ({"max_new_tokens": "abc"}, "max_new_tokens"),
+    ({"max_new_tokens": True}, "max_new_tokens"),
+    ({"max_new_tokens": 1.5}, "max_new_tokens"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.1}, "top_p"),
+    ({"top_p": None}, "top_p"),
+    ({"top_k": 0}, "top_k"),
+    ({"top_k": -2}, "top_k"),
+    ({"top_k": 2.0}, "top_k"),
+    ({"min_p": -0.1}, "min_p"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"frequency_penalty": -2.1}, "frequency_penalty"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"presence_penalty": -3}, "presence_penalty"),
+    ({"min_new_tokens": -1}, "min_new_tokens"),
+    ({"min_new_tokens": 10, "max_new_tokens": 5}, "min_new_tokens"),
+    ({"n": 0}, "n"),
+    ({"n": False}, "n"),
+    ({"stop_token_ids": [VOCAB]}, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+    ({"stop_token_ids": 3}, "stop_token_ids"),
+    ({"stop": 3}, "stop"),
+    ({"stop": ["ok", 3]}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"seed": "1"}, "seed"),
+    ({"ignore_eos": 1}, "ignore_eos"),
+    ({"skip_special_tokens": "yes"}, "skip_special_tokens"),
+]
+
+
+@pytest.mark.parametrize("fields, param", INVALID, ids=[f"{p}={f}" for f, p in INVALID])
+def test_verify_rejects_invalid_field(fields, param):
+    params = SamplingParams.from_dict(fields)
+    with pytest.raises(InvalidRequestError) as excinfo:
+        params.verify(VOCAB)
+    assert excinfo.value.param == param
+
+
+VALID = [
+    {},
+    {"temperature": 0},
+    {"top_p": 1, "top_k": 1, "min_p": 1},
+    {"frequency_penalty": -2, "presence_penalty": 2},
+    {"min_new_tokens": 5, "max_new_tokens": 5},
+    {"max_new_tokens": 0},
+    {"stop": "x", "stop_token_ids": [0, VOCAB - 1], "seed": 7},
+    {"stop": ["a", "b"], "n": 3, "no_stop_trim": True},
+]
+
+
+@pytest.mark.parametrize("fields", VALID)
+def test_verify_accepts_valid_fields(fields):
+    SamplingParams.from_dict(fields).verify(VOCAB)
+
+
+def test_from_dict_rejects_unknown_fields():
+    with pytest.raises(InvalidRequestError) as excinfo:
+        SamplingParams.from_dict({"temperature": 0.5, "max_tokens": 3, "best_of": 2})
+    assert excinfo.value.param == "best_of"
+    assert "max_tokens" in excinfo.value.message and "best_of" in excinfo.value.message
+    assert "max_new_tokens" in excinfo.value.message  # the valid ones are listed
+
+
+def test_defaults_and_normalized():
+    params = SamplingParams()
+    assert (params.max_new_tokens, params.temperature, params.top_p, params.top_k) == (
+        128,
+        1.0,
+        1.0,
+        -1,
+    )
+    assert params.normalized().stop == [] and params.normalized().stop_token_ids == []
+    assert SamplingParams(stop="end").normalized().stop == ["end"]
+    assert SamplingParams(stop=["a", "b"]).normalized().stop == ["a", "b"]
+
+
+def test_params_are_picklable():
+    params = SamplingParams(temperature=0.3, stop=["x"], seed=4)
+    assert pickle.loads(pickle.dumps(params)) == params
+
+
+# ---------------------------------------------------------------- greedy and filters
+
+
+def test_greedy_equals_argmax():
+    logits = random_logits(4)
+    info = make_info([SamplingParams(temperature=0)] * 4)
+    out = Sampler()(logits, info)
+    assert torch.equal(out.next_token_ids, logits.argmax(-1))
+    assert out.next_token_ids.dtype == torch.int64 and out.logprobs.dtype == torch.float32
+
+
+def test_greedy_rows_in_mixed_batch_equal_argmax():
+    logits = random_logits(4)
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(),
+        SamplingParams(temperature=0),
+        SamplingParams(top_p=0.5),
+    ]
+    out = Sampler()(logits, make_info(params))
+    assert (
+        out.next_token_ids[0] == logits[0].argmax() and out.next_token_ids[2] == logits[2].argmax()
+    )
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(top_k=1),
+        SamplingParams(top_p=1e-6),
+        SamplingParams(temperature=1.0, top_p=1e-6, top_k=5),
+        SamplingParams(min_p=1.0),
+        SamplingParams(temperature=1e-4),
+    ],
+    ids=["top_k=1", "top_p=tiny", "top_p_tiny_top_k_5", "min_p=1", "temperature=tiny"],
+)
+def test_filters_that_leave_only_the_argmax(params):
+    logits = random_logits(8, seed=3)
+    for seed in range(5):
+        out = Sampler()(logits, make_info([params] * 8, seeds=[seed] * 8))
+        assert torch.equal(out.next_token_ids, logits.argmax(-1))
+
+
+def test_top_k_keeps_only_k_tokens():
+    logits = random_logits(1, seed=1)
+    allowed = set(logits[0].topk(3).indices.tolist())
+    info = make_info([SamplingParams(top_k=3)])
+    seen = {int(Sampler()(logits, info).next_token_ids[0]) for _ in range(200)}
+    assert seen <= allowed and len(seen) > 1
+
+
+def test_top_p_filters_numerically():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    # the smallest set of most likely tokens whose mass reaches top_p survives
+    info = make_info([SamplingParams(top_p=0.85)], vocab_size=4)
+    kept = filter_probs(probs, info)
+    assert torch.allclose(kept, torch.tensor([[0.5, 0.3, 0.15, 0.0]]))
+    info = make_info([SamplingParams(top_p=0.7)], vocab_size=4)
+    assert torch.allclose(filter_probs(probs, info), torch.tensor([[0.5, 0.3, 0.0, 0.0]]))
+
+
+def test_min_p_filters_relative_to_max():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    info = make_info([SamplingParams(min_p=0.5)], vocab_size=4)
+    assert torch.allclose(filter_probs(probs, info), torch.tensor([[0.5, 0.3, 0.0, 0.0]]))
+    info = make_info([SamplingParams(min_p=0.2)], vocab_size=4)
+    assert torch.allclose(filter_probs(probs, info), torch.tensor([[0.5, 0.3, 0.15, 0.0]]))
+
+
+def test_min_p_sampling_never_picks_filtered_tokens():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    info = make_info([SamplingParams(min_p=0.5)], vocab_size=4)
+    seen = {int(Sampler()(logits, info).next_token_ids[0]) for _ in range(300)}
+    assert seen == {0, 1}
+
+
+def test_top_k_then_top_p_renormalised():
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    # top_k=2 leaves 0.4, 0.3 -> renormalised 4/7, 3/7; top_p=0.5: mass before token 1 is
+    # 4/7 > 0.5, so only token 0 survives.
+    info = make_info([SamplingParams(top_k=2, top_p=0.5)], vocab_size=4)
+    assert torch.allclose(filter_probs(probs, info), torch.tensor([[0.4, 0.0, 0.0, 0.0]]))
+
+
+def test_fast_path_flags():
+    info = make_info([SamplingParams(), SamplingParams(temperature=0.7)])
+    assert not (info.need_top_k or info.need_top_p or info.need_min_p or info.all_greedy)
+    info = make_info([SamplingParams(temperature=0, top_p=0.5), SamplingParams()])
+    assert not info.need_top_p  # greedy rows never need the filters
+    assert make_info([SamplingParams(top_k=VOCAB)]).need_top_k is False
+    assert make_info([SamplingParams(top_k=4)]).need_top_k
+
+
+# ---------------------------------------------------------------- seeds
+
+
+def test_same_seed_same_tokens_across_batch_compositions():
+    params = SamplingParams(temperature=1.0, top_k=20)
+    target = random_logits(1, seed=11)[0]
+    alone = Sampler()(target.unsqueeze(0), make_info([params], seeds=[1234]))
+    for others in (1, 3, 7):
+        logits = torch.cat([random_logits(others, seed=others), target.unsqueeze(0)])
+        batch = [SamplingParams(temperature=0.5)] * others + [params]
+        seeds = list(range(100, 100 + others)) + [1234]
+        out = Sampler()(logits, make_info(batch, seeds=seeds))
+        assert out.next_token_ids[-1] == alone.next_token_ids[0]
+
+
+def test_persistent_generators_continue_the_stream_across_steps():
+    params = [SamplingParams(), SamplingParams(temperature=0.8)]
+    logits = random_logits(2, seed=5)
+
+    def run(batch_logits, batch_params, gens, steps=20):
+        tokens = []
+        for _ in range(steps):
+            info = make_info(batch_params, seeds=[0] * len(gens), generators=gens)
+            tokens.append(Sampler()(batch_logits, info).next_token_ids[0].item())
+        return tokens
+
+    a = run(logits, params, [make_generator(42), make_generator(1)])
+    b = run(logits[:1], params[:1], [make_generator(42)])
+    assert a == b and len(set(a)) > 1  # the stream advances, and the batch does not matter
+
+
+def test_different_seeds_differ():
+    logits = torch.zeros(1, VOCAB)
+    firsts = {
+        int(Sampler()(logits, make_info([SamplingParams()], seeds=[s])).next_token_ids[0])
+        for s in range(20)
+    }
+    assert len(firsts) > 3
+
+
+def test_sampled_distribution_matches_softmax():
+    logits = torch.tensor([[0.0, 1.0]])  # p = [0.269, 0.731]
+    gen = make_generator(2024)
+    info = make_info([SamplingParams(temperature=1.0)], vocab_size=2, generators=[gen])
+    ones = sum(int(Sampler()(logits, info).next_token_ids[0]) for _ in range(2000))
+    expected = torch.softmax(logits, -1)[0, 1].item()
+    assert abs(ones / 2000 - expected) < 0.03
+
+
+def test_temperature_sharpens_distribution():
+    logits = torch.tensor([[0.0, 1.0]])
+    info = make_info(
+        [SamplingParams(temperature=0.25)], vocab_size=2, generators=[make_generator(7)]
+    )
+    ones = sum(int(Sampler()(logits, info).next_token_ids[0]) for _ in range(2000))
+    expected = torch.softmax(logits / 0.25, -1)[0, 1].item()  # 0.982
+    assert abs(ones / 2000 - expected) < 0.02
+
+
+# ---------------------------------------------------------------- penalties
+
+
+def test_repetition_penalty_hf_style():
+    logits = torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5]])
+    info = make_info([SamplingParams(temperature=0, repetition_penalty=2.0)], vocab_size=5)
+    processed = Sampler._process_logits(logits, info, [[1]], [[0, 3]], None, [1])
+    # seen tokens 0 (prompt), 1 (output), 3 (prompt): positive / 2, negative * 2
+    assert torch.allclose(processed, torch.tensor([[1.0, -4.0, 1.0, -2.0, 0.5]]))
+    assert torch.equal(logits, torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5]]))  # input untouched
+    out = Sampler()(logits, info, [[1]], [[0, 3]])
+    assert out.next_token_ids.tolist() == [0]  # ties between 0 and 2 go to the first
+
+
+def test_repetition_penalty_changes_greedy_choice():
+    logits = torch.tensor([[3.0, 2.0, 0.0]])
+    info = make_info([SamplingParams(temperature=0, repetition_penalty=2.0)], vocab_size=3)
+    assert Sampler()(logits, info, [[0]]).next_token_ids.tolist() == [1]
+
+
+def test_frequency_and_presence_penalties_openai_style():
+    logits = torch.zeros(2, 4)
+    params = [
+        SamplingParams(frequency_penalty=0.5, presence_penalty=0.25),
+        SamplingParams(frequency_penalty=-1.0),
+    ]
+    info = make_info(params, vocab_size=4)
+    output_ids = [[1, 1, 1, 2], [3]]
+    # prompt tokens do not count for OpenAI-style penalties
+    processed = Sampler._process_logits(logits, info, output_ids, [[0, 0], [0]], None, [4, 1])
+    expected = torch.tensor([[0.0, -1.75, -0.75, 0.0], [0.0, 0.0, 0.0, 1.0]])
+    assert torch.allclose(processed, expected)
+
+
+def test_penalty_rows_are_independent():
+    logits = random_logits(2)
+    params = [SamplingParams(temperature=0, frequency_penalty=2.0), SamplingParams(temperature=0)]
+    processed = Sampler._process_logits(
+        logits, make_info(params), [[0, 1], [0, 1]], None, None, [2, 2]
+    )
+    assert torch.equal(processed[1], logits[1])
+    assert torch.allclose(processed[0, :2], logits[0, :2] - 2.0)
+
+
+# ---------------------------------------------------------------- min_new_tokens
+
+
+def test_min_new_tokens_blocks_eos_and_stop_ids():
+    eos, stop = 5, 7
+    logits = torch.zeros(1, VOCAB)
+    logits[0, eos] = 10.0
+    logits[0, stop] = 9.0
+    params = SamplingParams(temperature=0, min_new_tokens=3, stop_token_ids=[stop])
+    info = make_info([params])
+    for generated in range(3):
+        out = Sampler()(logits, info, [[1] * generated], eos_ids_list=[[eos]])
+        assert out.next_token_ids.item() not in (eos, stop)
+    out = Sampler()(logits, info, [[1] * 3], eos_ids_list=[[eos]])
+    assert out.next_token_ids.item() == eos
+
+
+def test_min_new_tokens_only_on_its_row():
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 2] = 5.0
+    params = [SamplingParams(temperature=0, min_new_tokens=4), SamplingParams(temperature=0)]
+    out = Sampler()(logits, make_info(params), [[], []], eos_ids_list=[[2], [2]])
+    assert out.next_token_ids[0] != 2 and out.next_token_ids[1] == 2
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def test_logprobs_are_unfiltered_temperature_one():
+    logits = random_logits(3, seed=9)
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.3, top_k=2),
+        SamplingParams(top_p=0.1),
+    ]
+    out = Sampler()(logits, make_info(params), top_logprobs_num=3)
+    full = torch.log_softmax(logits, -1)
+    expected = full.gather(1, out.next_token_ids.view(-1, 1)).squeeze(1)
+    assert torch.allclose(out.logprobs, expected, atol=1e-5)
+    assert out.top_logprobs is not None
+    values, ids = full.topk(3, dim=-1)
+    assert torch.allclose(out.top_logprobs.top_values, values, atol=1e-5)
+    assert torch.equal(out.top_logprobs.top_ids, ids)
+
+
+def test_logprobs_follow_penalties():
+    logits = torch.tensor([[1.0, 1.0]])
+    info = make_info([SamplingParams(temperature=0, presence_penalty=1.0)], vocab_size=2)
+    out = Sampler()(logits, info, [[0]])
+    assert out.next_token_ids.item() == 1
+    assert out.logprobs.item() == pytest.approx(
+        torch.log_softmax(torch.tensor([0.0, 1.0]), -1)[1].item()
+    )
+    assert out.top_logprobs is None
+
+
+def test_compute_logprobs_prompt_positions():
+    logits = random_logits(6, seed=4)
+    token_ids = torch.tensor([3, 1, 4, 1, 5, 9])
+    result = compute_logprobs(logits, token_ids, top_logprobs_num=0)
+    expected = torch.log_softmax(logits, -1)[torch.arange(6), token_ids]
+    assert torch.allclose(result.logprobs, expected, atol=1e-5)
+    assert result.top_values is None and result.top_ids is None
