@@ -306,7 +306,9 @@ class RadixCache:
         duplicates; with `page_size > 1` the slots of the last partial page are
         freed too. A disabled cache frees every slot (its `prefix_len` is 0).
         """
-        assert len(kv_indices) == len(token_ids), f"{len(kv_indices)} slots for {len(token_ids)} tokens"
+        assert len(kv_indices) == len(token_ids), (
+            f"{len(kv_indices)} slots for {len(token_ids)} tokens"
+        )
         allocator = self.token_to_kv_pool_allocator
         if self.disable:
             allocator.free(kv_indices[prefix_len:])
@@ -342,7 +344,9 @@ class RadixCache:
             request's own. A disabled cache frees nothing and returns the
             request's own slots with the root.
         """
-        assert len(kv_indices) == len(token_ids), f"{len(kv_indices)} slots for {len(token_ids)} tokens"
+        assert len(kv_indices) == len(token_ids), (
+            f"{len(kv_indices)} slots for {len(token_ids)} tokens"
+        )
         if self.disable:
             return MatchResult(kv_indices, self.root)
         aligned_len = len(self._page_aligned(token_ids))
@@ -382,14 +386,12 @@ class RadixCache:
             self.token_to_kv_pool_allocator.free(node.value)
             freed += len(node.key)
             parent = self._delete_leaf(node)
-            if parent is not self.root and parent.is_leaf():
+            if parent is not self.root and parent.is_leaf() and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
         return freed
 
     def _evictable_leaves(self) -> list[TreeNode]:
-        return [
-            n for n in self._nodes() if n is not self.root and n.is_leaf() and n.lock_ref == 0
-        ]
+        return [n for n in self._nodes() if n is not self.root and n.is_leaf() and n.lock_ref == 0]
 
     def _delete_leaf(self, node: TreeNode) -> TreeNode:
         parent = node.parent

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from arborlm.radix_cache.radix_cache import RadixCache
 from arborlm.runtime.schedule_batch import Req
 
+# Cap on the tokens one request is expected to still generate (SGLang clips its estimate the same way).
+CLIP_MAX_NEW_TOKENS = 4096
 # Above this queue length, prefix matching every request costs more than it saves.
 LPM_MAX_QUEUE = 128
 
@@ -62,7 +64,7 @@ class SchedulePolicy:
                 nodes[id(node)] = node
                 node = node.parent
         ordered: list[Req] = []
-        stack = [self.tree_cache.root_node]
+        stack = [self.tree_cache.root]
         while stack:
             node = stack.pop()
             ordered.extend(by_node.get(id(node), []))
@@ -86,12 +88,14 @@ class PrefillAdder:
     rem_input_tokens: prefill tokens the batch may still compute (`max_prefill_tokens`).
     rem_chunk_tokens: chunk size for one long prompt; None disables chunking.
     new_token_ratio: share of remaining `max_new_tokens` reserved per request.
+    context_length: max tokens of one request; nobody generates past it.
     """
 
     rem_total_tokens: int
     rem_input_tokens: int
     rem_chunk_tokens: int | None
     new_token_ratio: float
+    context_length: int = 1 << 30
     can_run_list: list[Req] = field(default_factory=list)
     new_chunked_req: Req | None = None
 
@@ -100,7 +104,8 @@ class PrefillAdder:
         self.rem_total_tokens -= sum(self._future_tokens(r) for r in running)
 
     def _future_tokens(self, req: Req) -> int:
-        return math.ceil(req.remaining_new_tokens * self.new_token_ratio)
+        remaining = min(req.remaining_new_tokens, self.context_length - req.seqlen, CLIP_MAX_NEW_TOKENS)
+        return math.ceil(max(remaining, 0) * self.new_token_ratio)
 
     def budget_left(self) -> bool:
         return self.rem_total_tokens > 0 and self.rem_input_tokens > 0

@@ -174,6 +174,7 @@ class Scheduler:
             rem_input_tokens=sched.max_prefill_tokens,
             rem_chunk_tokens=chunk,
             new_token_ratio=self.new_token_ratio,
+            context_length=self.model_runner.context_length,
         )
         adder.reserve_running(self.running)
         if self.chunked_req is not None:

@@ -260,7 +260,9 @@ def test_page_size_4_matches_whole_pages_only():
     assert len(cache.match_prefix([1, 2, 3, 0]).device_indices) == 0
     run_req(cache, allocator, [1, 2, 3, 4, 5, 6, 0, 0])
     assert cache.total_size() == 12
-    assert sorted(len(c.key) for c in cache.match_prefix([1, 2, 3, 4]).last_node.children.values()) == [4, 4]
+    assert sorted(
+        len(c.key) for c in cache.match_prefix([1, 2, 3, 4]).last_node.children.values()
+    ) == [4, 4]
     cache.check_invariants()
     assert_all_slots_back(cache, allocator)
 
@@ -364,7 +366,9 @@ class RadixCacheMachine(RuleBasedStateMachine):
             self.cache.dec_lock_ref(match.last_node)
             return
         kv = torch.cat([match.device_indices, own])
-        self.reqs.append(dict(token_ids=list(key), kv=kv, last_node=match.last_node, prefix_len=prefix_len))
+        self.reqs.append(
+            dict(token_ids=list(key), kv=kv, last_node=match.last_node, prefix_len=prefix_len)
+        )
 
     @precondition(lambda self: self.reqs)
     @rule(data=st.data(), new_tokens=tokens)
@@ -393,7 +397,9 @@ class RadixCacheMachine(RuleBasedStateMachine):
     def finish_req(self, data):
         req = self.reqs.pop(data.draw(st.integers(0, len(self.reqs) - 1)))
         self.model_insert(req["token_ids"], req["kv"])
-        self.cache.cache_finished_req(req["token_ids"], req["kv"], req["last_node"], req["prefix_len"])
+        self.cache.cache_finished_req(
+            req["token_ids"], req["kv"], req["last_node"], req["prefix_len"]
+        )
 
     @rule(key=tokens)
     def lock(self, key):
@@ -448,7 +454,9 @@ class RadixCacheMachine(RuleBasedStateMachine):
 
     def teardown(self):
         for req in self.reqs:
-            self.cache.cache_finished_req(req["token_ids"], req["kv"], req["last_node"], req["prefix_len"])
+            self.cache.cache_finished_req(
+                req["token_ids"], req["kv"], req["last_node"], req["prefix_len"]
+            )
         for _, match in self.locks:
             self.cache.dec_lock_ref(match.last_node)
         self.cache.check_invariants()
@@ -462,8 +470,12 @@ class PagedRadixCacheMachine(RadixCacheMachine):
     page_size = 4
 
 
-_settings = settings(max_examples=100, stateful_step_count=25, deadline=None,
-                     suppress_health_check=[HealthCheck.too_slow])
+_settings = settings(
+    max_examples=100,
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 TestRadixCacheMachine = RadixCacheMachine.TestCase
 TestRadixCacheMachine.settings = _settings
 TestPagedRadixCacheMachine = PagedRadixCacheMachine.TestCase

@@ -70,13 +70,17 @@ def check_greedy(checkpoint, max_new_tokens=32):
     ref = hf_model(checkpoint)
     prompts = encode(checkpoint)
     outputs = ModelHarness(ours.model, ours.hf_config).greedy(prompts, max_new_tokens)
+    eos = ref.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
     for ids, got in zip(prompts, outputs):
         with torch.no_grad():
             generated = ref.generate(
-                torch.tensor([ids]), do_sample=False, max_new_tokens=max_new_tokens,
-                min_new_tokens=max_new_tokens, pad_token_id=0,
-            )
-        assert got == generated[0, len(ids):].tolist()
+                torch.tensor([ids]), do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0
+            )[0, len(ids):].tolist()
+        # transformers stops at EOS; we ran on, so compare through its EOS.
+        assert len(got) == max_new_tokens
+        assert len(generated) == max_new_tokens or generated[-1] in eos
+        assert got[: len(generated)] == generated
 
 
 def test_tiny_llama_prompt_logits(tiny_llama_dir):

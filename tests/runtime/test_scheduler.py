@@ -1,0 +1,222 @@
+"""Scheduler behaviour on the tiny random Llama, in-process (no zmq).
+
+Every run checks the pool invariants after each step and that every KV slot and
+request row returns to its pool at the end (`run_to_completion`).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.runtime.scheduler_helpers import (
+    assert_idle_pools,
+    create_scheduler,
+    make_req,
+    reference_greedy,
+    run_to_completion,
+)
+
+
+def prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+@pytest.fixture
+def make_scheduler(tiny_llama_dir, tiny_tokenizer):
+    def make(**overrides):
+        return create_scheduler(tiny_llama_dir, tiny_tokenizer, **overrides)
+
+    return make
+
+
+def test_continuous_batching_matches_reference(make_scheduler, tiny_hf_model):
+    """Ragged prompts with different lengths join and leave the batch; tokens equal greedy HF."""
+    sched = make_scheduler()
+    ps = prompts(5, 3, 40)
+    lengths = [4, 12, 7, 20, 9]
+    reqs = [make_req(f"r{i}", p, max_new_tokens=n, ignore_eos=True) for i, (p, n) in enumerate(zip(ps, lengths))]
+    result = run_to_completion(sched, reqs)
+    for i, (p, n) in enumerate(zip(ps, lengths)):
+        assert result.tokens[f"r{i}"] == reference_greedy(tiny_hf_model, p, n)
+        assert result.finish[f"r{i}"] == {"type": "length", "length": n}
+
+
+def test_requests_arriving_mid_decode_join_the_batch(make_scheduler, tiny_hf_model):
+    sched = make_scheduler()
+    first, second = prompts(2, 10, 20, seed=1)
+    sched.add_request(make_req("a", first, max_new_tokens=15, ignore_eos=True))
+    tokens: dict[str, list[int]] = {"a": [], "b": []}
+    for _ in range(5):
+        for out in sched.step():
+            tokens[out.rid] += out.new_token_ids
+    result = run_to_completion(sched, [make_req("b", second, max_new_tokens=8, ignore_eos=True)])
+    for rid, toks in result.tokens.items():
+        tokens[rid] += toks
+    assert tokens["a"] == reference_greedy(tiny_hf_model, first, 15)
+    assert tokens["b"] == reference_greedy(tiny_hf_model, second, 8)
+
+
+def test_shared_prefix_is_served_from_cache_with_same_output(make_scheduler):
+    system = prompts(1, 64, 64, seed=2)[0]
+    questions = prompts(3, 5, 10, seed=3)
+    reqs = lambda tag: [make_req(f"{tag}{i}", system + q, max_new_tokens=6, ignore_eos=True)  # noqa: E731
+                        for i, q in enumerate(questions)]
+    cold = make_scheduler(disable_radix_cache=True)
+    cold_result = run_to_completion(cold, reqs("c"))
+    warm = make_scheduler()
+    run_to_completion(warm, [make_req("prime", system + [7], max_new_tokens=1)], check_every_step=False)
+    warm.tree_cache.check_invariants()
+    # run_to_completion resets the cache at the end; prime again and keep it.
+    warm.add_request(make_req("prime2", system + [7], max_new_tokens=1))
+    while warm.has_work():
+        warm.step()
+    warm_result = run_to_completion(warm, reqs("w"))
+    for i in range(3):
+        assert warm_result.tokens[f"w{i}"] == cold_result.tokens[f"c{i}"]
+        assert warm_result.outputs[f"w{i}"][-1].cached_tokens >= len(system)
+        assert cold_result.outputs[f"c{i}"][-1].cached_tokens == 0
+
+
+def test_cached_tokens_never_exceed_prompt_minus_one(make_scheduler):
+    sched = make_scheduler()
+    p = prompts(1, 20, 20, seed=4)[0]
+    sched.add_request(make_req("a", p, max_new_tokens=3, ignore_eos=True))
+    while sched.has_work():
+        sched.step()
+    result = run_to_completion(sched, [make_req("b", p, max_new_tokens=3, ignore_eos=True)])
+    assert result.outputs["b"][-1].cached_tokens == len(p) - 1
+
+
+@pytest.mark.parametrize("chunk", [4, 7, 16])
+def test_chunked_prefill_gives_same_tokens(make_scheduler, tiny_hf_model, chunk):
+    sched = make_scheduler(chunked_prefill_size=chunk, max_prefill_tokens=chunk)
+    ps = prompts(3, 20, 45, seed=5)
+    result = run_to_completion(sched, [make_req(f"r{i}", p, max_new_tokens=5, ignore_eos=True) for i, p in enumerate(ps)])
+    for i, p in enumerate(ps):
+        assert result.tokens[f"r{i}"] == reference_greedy(tiny_hf_model, p, 5)
+    assert sched.stats["num_extend_steps"] >= sum(-(-len(p) // chunk) for p in ps) // 3
+
+
+def test_retraction_under_kv_pressure_keeps_greedy_output(make_scheduler, tiny_hf_model):
+    """A pool too small for all requests at once: the youngest are retracted and resume unchanged."""
+    ps = prompts(4, 20, 30, seed=6)
+    sched = make_scheduler(max_total_tokens=160, init_new_token_ratio=0.05, min_new_token_ratio=0.0,
+                           new_token_ratio_decay=0.0)
+    result = run_to_completion(sched, [make_req(f"r{i}", p, max_new_tokens=40, ignore_eos=True) for i, p in enumerate(ps)])
+    assert sched.stats["num_retractions"] > 0
+    for i, p in enumerate(ps):
+        assert result.tokens[f"r{i}"] == reference_greedy(tiny_hf_model, p, 40), f"r{i} changed after retraction"
+
+
+def test_huge_max_new_tokens_does_not_block_admission(make_scheduler):
+    # The estimate is capped by the context (1024 tokens here), so 6 requests fit in 8192 slots.
+    sched = make_scheduler(max_total_tokens=8192)
+    for i, p in enumerate(prompts(6, 10, 10, seed=7)):
+        sched.add_request(make_req(f"r{i}", p, max_new_tokens=1_000_000, ignore_eos=True))
+    sched.step()  # one prefill step
+    assert len(sched.running) == 6
+    for i in range(6):
+        sched.abort_request(f"r{i}")
+    while sched.has_work():
+        sched.step()
+    assert_idle_pools(sched)
+
+
+def test_stop_token_ids_and_eos(make_scheduler, tiny_hf_model):
+    p = prompts(1, 10, 10, seed=8)[0]
+    ref = reference_greedy(tiny_hf_model, p, 10)
+    stop_at = ref[4]
+    sched = make_scheduler()
+    result = run_to_completion(sched, [make_req("s", p, max_new_tokens=10, stop_token_ids=[stop_at])])
+    first = ref.index(stop_at)
+    assert result.tokens["s"] == ref[: first + 1]
+    assert result.finish["s"] == {"type": "stop", "matched": stop_at}
+
+
+def test_min_new_tokens_defers_stop_token(make_scheduler, tiny_hf_model):
+    p = prompts(1, 10, 10, seed=8)[0]
+    ref = reference_greedy(tiny_hf_model, p, 10)
+    first = ref.index(ref[4])
+    sched = make_scheduler()
+    result = run_to_completion(
+        sched, [make_req("m", p, max_new_tokens=10, stop_token_ids=[ref[4]], min_new_tokens=first + 3)]
+    )
+    assert len(result.tokens["m"]) >= first + 3
+    assert ref[4] not in result.tokens["m"][: first + 2]
+
+
+def test_stop_string_spanning_tokens(make_scheduler, tiny_hf_model, tiny_tokenizer):
+    p = prompts(1, 12, 12, seed=9)[0]
+    ref = reference_greedy(tiny_hf_model, p, 12)
+    text = tiny_tokenizer.decode(ref)
+    # A stop string made of the end of token 5's text and the start of token 6's text.
+    t5, t6 = tiny_tokenizer.decode(ref[:6]), tiny_tokenizer.decode(ref[:7])
+    stop = t5[-2:] + t6[len(t5):][:2]
+    assert stop in text
+    sched = make_scheduler()
+    result = run_to_completion(sched, [make_req("s", p, max_new_tokens=12, stop=[stop])])
+    assert result.finish["s"] == {"type": "stop", "matched": stop}
+    assert len(result.tokens["s"]) <= 7
+
+
+def test_abort_running_and_waiting(make_scheduler):
+    sched = make_scheduler(max_running_requests=1)
+    a, b = prompts(2, 8, 8, seed=10)
+    sched.add_request(make_req("a", a, max_new_tokens=50, ignore_eos=True))
+    sched.add_request(make_req("b", b, max_new_tokens=50, ignore_eos=True))
+    sched.step()
+    sched.abort_request("b")  # waiting (max_running_requests=1)
+    sched.abort_request("a")  # running
+    finish = {}
+    while sched.has_work():
+        for out in sched.step():
+            if out.finish_reason:
+                finish[out.rid] = out.finish_reason["type"]
+    assert finish == {"a": "abort", "b": "abort"}
+    assert_idle_pools(sched)
+
+
+def test_same_seed_same_tokens_alone_or_batched(make_scheduler):
+    ps = prompts(3, 8, 12, seed=11)
+    sampled = dict(temperature=1.0, top_p=0.9, max_new_tokens=10, ignore_eos=True)
+    alone = run_to_completion(make_scheduler(), [make_req("x", ps[0], seed=123, **sampled)])
+    batched = run_to_completion(
+        make_scheduler(),
+        [make_req("x", ps[0], seed=123, **sampled), make_req("y", ps[1], seed=5, **sampled),
+         make_req("z", ps[2], seed=9, **sampled)],
+    )
+    assert alone.tokens["x"] == batched.tokens["x"]
+
+
+def test_output_logprobs_match_reference(make_scheduler, tiny_hf_model):
+    p = prompts(1, 10, 10, seed=12)[0]
+    sched = make_scheduler()
+    req = make_req("l", p, max_new_tokens=4, ignore_eos=True)
+    req.return_logprob, req.top_logprobs_num, req.logprob_start_len = True, 3, 0
+    result = run_to_completion(sched, [req])
+    outs = result.outputs["l"]
+    tokens = result.tokens["l"]
+    with torch.inference_mode():
+        logits = tiny_hf_model(torch.tensor([p + tokens])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    got = [lp for o in outs for lp in o.output_token_logprobs]
+    for j, (lp, tid) in enumerate(got):
+        assert tid == tokens[j]
+        assert lp == pytest.approx(float(logprobs[len(p) - 1 + j, tid]), abs=1e-4)
+    prompt_lps = outs[0].input_token_logprobs
+    assert prompt_lps[0] == (None, p[0])
+    for pos in range(1, len(p)):
+        assert prompt_lps[pos][1] == p[pos]
+        assert prompt_lps[pos][0] == pytest.approx(float(logprobs[pos - 1, p[pos]]), abs=1e-4)
+
+
+def test_invalid_prompt_is_aborted_alone(make_scheduler):
+    sched = make_scheduler()
+    good = prompts(1, 5, 5, seed=13)[0]
+    result = run_to_completion(sched, [make_req("empty", [], max_new_tokens=3), make_req("ok", good, max_new_tokens=3)])
+    assert result.finish["empty"]["type"] == "abort"
+    assert len(result.tokens["ok"]) == 3
