@@ -36,3 +36,18 @@ def tiny_llama_dir(tmp_path_factory, smollm_dir) -> Path:
         if (smollm_dir / name).is_file():
             (folder / name).write_bytes((smollm_dir / name).read_bytes())
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tiny_llama_dir):
+    """The tiny checkpoint in transformers, the reference implementation."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()

@@ -115,8 +115,11 @@ def _gather_kv(
     key_valid = torch.arange(max_len, device=seq_lens.device)[None, :] < seq_lens[:, None]
     slots = req_to_token[req_pool_indices, :max_len].to(torch.int64)
     slots = slots.masked_fill(~key_valid, 0)  # padding slot 0: stale rows past seq_len are ignored
-    k = k_buffer[slots].transpose(1, 2)
-    v = v_buffer[slots].transpose(1, 2)
+    # index_select copies whole rows; it is several times faster than k_buffer[slots] on CPU.
+    flat = slots.view(-1)
+    shape = (slots.shape[0], max_len) + tuple(k_buffer.shape[1:])
+    k = k_buffer.index_select(0, flat).view(shape).transpose(1, 2)
+    v = v_buffer.index_select(0, flat).view(shape).transpose(1, 2)
     return k, v, key_valid
 
 

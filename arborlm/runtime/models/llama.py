@@ -40,7 +40,11 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 as in Hugging Face `LlamaRMSNorm`."""
+    """Root-mean-square norm (Hugging Face `LlamaRMSNorm`).
+
+    torch's fused kernel accumulates in float32 for bf16/fp16 inputs, so no casts
+    are needed around it; it applies the weight before rounding to x's dtype.
+    """
 
     def __init__(self, hidden_size: int, eps: float, dtype, device):
         super().__init__()
@@ -48,8 +52,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return normed * self.weight
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_parameters(config) -> tuple[float, dict]:
