@@ -2,9 +2,11 @@
 
 A model layer computes q, k, v for the step's new tokens and hands them to an
 `AttentionBackend`, which stores k, v at `forward_batch.out_cache_loc` and attends
-over each request's K/V found through `req_to_token`. The torch backend runs the
-functions of `reference.py` (the CPU path); the Triton backend comes with the
-Triton kernels.
+over each request's K/V found through `req_to_token`. The model calls
+`init_forward_metadata` once per step, before its layers, so that per-step index
+work is not redone per layer. The torch backend runs `torch_native.py` (the CPU
+path); the reference backend runs `reference.py` (the oracle); the Triton backend
+comes with the Triton kernels.
 """
 
 from __future__ import annotations
@@ -13,14 +15,23 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from arborlm.kernels import reference
+from arborlm.kernels import reference, torch_native
 from arborlm.runtime.batch import ForwardBatch
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "reference", "triton")
 
 
 class AttentionBackend(ABC):
     """Attention over the paged KV layout for one model step."""
+
+    @abstractmethod
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Precompute what every layer of this step shares (gather indices, masks).
+
+        Called by the model once per step before its first layer; may set
+        `forward_batch.attn_metadata` and mutates nothing else. Must be called
+        again if `req_to_token` rows, `seq_lens` or the batch change.
+        """
 
     @abstractmethod
     def forward(
@@ -57,8 +68,11 @@ class AttentionBackend(ABC):
         """
 
 
-class TorchAttentionBackend(AttentionBackend):
-    """The torch path (`kernels/reference.py`): runs on any device; the CPU default."""
+class ReferenceAttentionBackend(AttentionBackend):
+    """The oracle path (`kernels/reference.py`): simple, per-layer index work; any device."""
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Nothing: the reference recomputes its indices in every layer."""
 
     def forward(self, q, k, v, layer_id, forward_batch, scale, sliding_window=None, logit_cap=0.0):
         pool = forward_batch.token_to_kv_pool
@@ -77,12 +91,45 @@ class TorchAttentionBackend(AttentionBackend):
         )
 
 
+class TorchAttentionBackend(AttentionBackend):
+    """The torch CPU path (`kernels/torch_native.py`): per-step metadata, runs on any device."""
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        req_to_token = forward_batch.req_to_token_pool.req_to_token
+        max_len = max(forward_batch.seq_lens_cpu)
+        if forward_batch.forward_mode.is_decode():
+            forward_batch.attn_metadata = torch_native.build_decode_metadata(
+                req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens, max_len,
+                forward_batch.token_to_kv_pool.num_kv_heads,
+            )
+        else:
+            forward_batch.attn_metadata = torch_native.build_extend_metadata(
+                req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
+                forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens,
+                max(forward_batch.extend_seq_lens_cpu), max_len,
+            )
+
+    def forward(self, q, k, v, layer_id, forward_batch, scale, sliding_window=None, logit_cap=0.0):
+        pool = forward_batch.token_to_kv_pool
+        pool.set_kv_buffer(layer_id, forward_batch.out_cache_loc, k, v)
+        k_buffer, v_buffer = pool.get_kv_buffer(layer_id)
+        if forward_batch.attn_metadata is None:
+            self.init_forward_metadata(forward_batch)
+        if forward_batch.forward_mode.is_decode():
+            return torch_native.decode_attention(
+                q, k_buffer, v_buffer, forward_batch.attn_metadata, scale, sliding_window, logit_cap
+            )
+        return torch_native.extend_attention(
+            q, k_buffer, v_buffer, forward_batch.attn_metadata, scale, sliding_window, logit_cap
+        )
+
+
 def create_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
     """The attention backend called `name` for `device`.
 
     Parameters
     ----------
-    name: "auto" (torch for now on every device), "torch" or "triton".
+    name: "auto" (torch for now on every device), "torch", "reference" or "triton".
     device: where the model runs.
 
     Raises
@@ -92,6 +139,8 @@ def create_attention_backend(name: str, device: torch.device | str) -> Attention
     """
     if name in ("auto", "torch"):
         return TorchAttentionBackend()
+    if name == "reference":
+        return ReferenceAttentionBackend()
     if name == "triton":
         raise ValueError(
             "attention_backend='triton' is not available yet: it comes with the Triton kernels; "

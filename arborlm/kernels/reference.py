@@ -67,7 +67,7 @@ def extend_attention(
     mask = key_valid[:, None, :] & (k_pos[None, None, :] <= q_pos[:, :, None])  # (B, Lq, Lk)
     if sliding_window is not None:
         mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-    o = _attend(q_pad.transpose(1, 2), k, v, mask[:, None], scale, logit_cap)  # (B, Hq, Lq, D)
+    o = attend(q_pad.transpose(1, 2), k, v, mask[:, None], scale, logit_cap)  # (B, Hq, Lq, D)
     return o.transpose(1, 2)[token_req, token_col]
 
 
@@ -99,7 +99,7 @@ def decode_attention(
     if sliding_window is not None:
         k_pos = torch.arange(max_len, device=q.device)
         mask &= k_pos[None, :] > (seq_lens[:, None] - 1 - sliding_window)
-    o = _attend(q[:, :, None, :], k, v, mask[:, None, None, :], scale, logit_cap)  # (B, Hq, 1, D)
+    o = attend(q[:, :, None, :], k, v, mask[:, None, None, :], scale, logit_cap)  # (B, Hq, 1, D)
     return o[:, :, 0, :]
 
 
@@ -123,7 +123,7 @@ def _gather_kv(
     return k, v, key_valid
 
 
-def _attend(
+def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, logit_cap: float
 ) -> torch.Tensor:
     """Masked attention with GQA.

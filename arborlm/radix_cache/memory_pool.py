@@ -140,5 +140,6 @@ class TokenToKVPool:
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K and V of new tokens. `loc`: (n,) int64 slots; `k`, `v`: (n, num_kv_heads, head_dim)."""
-        self.k_buffer[layer_id, loc] = k.to(self.dtype)
-        self.v_buffer[layer_id, loc] = v.to(self.dtype)
+        # index_copy_ on the layer's view: one row copy per slot, no index_put broadcasting.
+        self.k_buffer[layer_id].index_copy_(0, loc, k.to(self.dtype))
+        self.v_buffer[layer_id].index_copy_(0, loc, v.to(self.dtype))

@@ -61,6 +61,9 @@ class ForwardBatch:
     req_to_token_pool, token_to_kv_pool: the memory the step reads and writes.
     return_full_logits: compute logits at every new token (prompt logprobs,
         agreement tests), not only at each request's last one.
+    attn_metadata: what the attention backend precomputes once per step
+        (`AttentionBackend.init_forward_metadata`), read by every layer; None
+        until the model sets it.
     """
 
     forward_mode: ForwardMode
@@ -78,6 +81,7 @@ class ForwardBatch:
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool: TokenToKVPool
     return_full_logits: bool = False
+    attn_metadata: object | None = None
 
     @property
     def num_tokens(self) -> int:

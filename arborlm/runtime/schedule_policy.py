@@ -17,6 +17,11 @@ from arborlm.runtime.schedule_batch import Req
 
 # Cap on the tokens one request is expected to still generate (SGLang clips its estimate the same way).
 CLIP_MAX_NEW_TOKENS = 4096
+# In-batch prefix sharing (SGLang's thresholds): a waiting request with at most this many
+# cached tokens that shares its first IN_BATCH_PREFIX_LEN tokens with another waiting
+# request waits one step, so that the other's prefill puts the prefix into the cache.
+IN_BATCH_CACHED_THRESHOLD = 32
+IN_BATCH_PREFIX_LEN = 32
 # Above this queue length, prefix matching every request costs more than it saves.
 LPM_MAX_QUEUE = 128
 
@@ -33,9 +38,16 @@ class SchedulePolicy:
     def __init__(self, policy: str, tree_cache: RadixCache):
         self.policy = policy
         self.tree_cache = tree_cache
+        self.deprioritized: set[str] = set()
 
     def calc_priority(self, waiting_queue: list[Req]) -> None:
-        """Sort `waiting_queue` in place, most urgent first."""
+        """Sort `waiting_queue` in place, most urgent first, and fill `deprioritized`.
+
+        `deprioritized` holds the ids of requests that should wait one step
+        because another waiting request is about to prefill the same
+        uncached prefix.
+        """
+        self.deprioritized = set()
         policy = self.policy
         if policy != "fcfs" and (self.tree_cache.disable or len(waiting_queue) > LPM_MAX_QUEUE):
             policy = "fcfs"
@@ -46,6 +58,18 @@ class SchedulePolicy:
             waiting_queue.sort(key=lambda r: -match_lens[id(r)])
         else:
             self._sort_dfs_weight(waiting_queue)
+        self._mark_in_batch_sharing(waiting_queue, match_lens)
+
+    def _mark_in_batch_sharing(self, waiting_queue: list[Req], match_lens: dict[int, int]) -> None:
+        leaders: set[tuple[int, ...]] = set()
+        for req in waiting_queue:
+            if match_lens[id(req)] > IN_BATCH_CACHED_THRESHOLD or len(req.fill_ids) <= IN_BATCH_PREFIX_LEN:
+                continue
+            head = tuple(req.fill_ids[:IN_BATCH_PREFIX_LEN])
+            if head in leaders:
+                self.deprioritized.add(req.rid)
+            else:
+                leaders.add(head)
 
     def _match_len(self, req: Req) -> int:
         return len(self.tree_cache.match_prefix(req.fill_ids).device_indices)

@@ -185,6 +185,8 @@ class Scheduler:
         for req in list(self.waiting_queue):
             if adder.new_chunked_req is not None or not adder.budget_left():
                 break
+            if req.rid in self.policy.deprioritized:
+                continue
             if len(self.running) + len(adder.can_run_list) >= self.model_runner.max_running_requests:
                 break
             if not self._admit(req, adder):
@@ -283,6 +285,8 @@ class Scheduler:
             req.kv_len += req.extend_input_len if is_extend else 1
         if is_extend:
             self.output_processor.collect_prompt_logprobs(batch.reqs, logits_output, forward_batch)
+            for req in batch.reqs:
+                self.cache_prefilled_prefix(req)
         # A chunked request still has prompt left: its sampled token is meaningless.
         sampling_reqs = [r for r in batch.reqs if r.kv_len >= len(r.fill_ids) or not is_extend]
         rows = [i for i, r in enumerate(batch.reqs) if r in sampling_reqs]
@@ -306,6 +310,21 @@ class Scheduler:
                     self.chunked_req = None
         self.running = [r for r in self.running if not r.finished]
         return outputs
+
+    def cache_prefilled_prefix(self, req: Req) -> None:
+        """Put a request's freshly prefilled KV into the radix cache at once (still locked).
+
+        Waiting requests that share the prompt's prefix then match it on the next
+        prefill step instead of recomputing it (SGLang's `cache_unfinished_req`).
+        """
+        if self.tree_cache.disable or req.to_abort:
+            return
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        match = self.tree_cache.cache_unfinished_req(
+            req.fill_ids[: req.kv_len], row[: req.kv_len].to(torch.int64), req.last_node, len(req.prefix_indices)
+        )
+        row[: len(match.device_indices)] = match.device_indices.to(torch.int32)
+        req.prefix_indices, req.last_node = match.device_indices, match.last_node
 
     def release_req(self, req: Req) -> None:
         """Hand a request's KV to the radix cache and its row back to the pool."""

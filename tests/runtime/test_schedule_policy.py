@@ -90,3 +90,11 @@ def test_match_prefix_slots_are_the_inserted_ones(tree):
     match = tree.match_prefix([1, 2, 3, 9, 99])
     assert len(match.device_indices) == 4
     assert match.device_indices.dtype == torch.int64
+
+
+def test_requests_sharing_an_uncached_prefix_wait_for_the_first(tree):
+    shared = list(range(100, 140))
+    queue = [fake_req("a", shared + [1]), fake_req("b", shared + [2]), fake_req("c", [7] * 40), fake_req("d", shared + [3])]
+    policy = SchedulePolicy("lpm", tree)
+    policy.calc_priority(queue)
+    assert policy.deprioritized == {"b", "d"}

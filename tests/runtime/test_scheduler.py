@@ -220,3 +220,17 @@ def test_invalid_prompt_is_aborted_alone(make_scheduler):
     result = run_to_completion(sched, [make_req("empty", [], max_new_tokens=3), make_req("ok", good, max_new_tokens=3)])
     assert result.finish["empty"]["type"] == "abort"
     assert len(result.tokens["ok"]) == 3
+
+
+def test_shared_prefix_in_one_batch_is_prefilled_once(make_scheduler):
+    """Requests arriving together with a common uncached prefix compute it once."""
+    system = prompts(1, 200, 200, seed=14)[0]
+    questions = prompts(6, 5, 8, seed=15)
+    sched = make_scheduler()
+    reqs = [make_req(f"q{i}", system + q, max_new_tokens=3, ignore_eos=True) for i, q in enumerate(questions)]
+    run_to_completion(sched, reqs)
+    total_prompt = sum(len(system) + len(q) for q in questions)
+    assert sched.stats["num_prefill_tokens_computed"] <= total_prompt - 5 * len(system) + 5
+    cold = make_scheduler(disable_radix_cache=True)
+    run_to_completion(cold, [make_req(f"c{i}", system + q, max_new_tokens=3, ignore_eos=True) for i, q in enumerate(questions)])
+    assert cold.stats["num_prefill_tokens_computed"] == total_prompt

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from arborlm.errors import ModelLoadError
+from arborlm.kernels import cpu_linear
 from arborlm.kernels.backend import AttentionBackend
 from arborlm.runtime.batch import ForwardBatch, LogitsOutput
 
@@ -34,8 +35,19 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = _param((out_features, in_features), dtype, device)
         self.bias = _param((out_features,), dtype, device) if bias else None
+        self.packed_weight: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        """Prepack the loaded weight for oneDNN when it is a CPU bf16 weight (`kernels/cpu_linear.py`).
+
+        Keeps `weight` (a second copy of the weights in memory); call again after
+        changing `weight`.
+        """
+        self.packed_weight = cpu_linear.pack_weight(self.weight) if cpu_linear.can_pack(self.weight) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return cpu_linear.packed_linear(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -213,9 +225,11 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.rotary_emb = RotaryEmbedding(config, head_dim, config.max_position_embeddings, dtype, device)
+        self.attn_backend = attn_backend
 
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """(num_tokens, hidden_size) hidden states of the new tokens, before the final norm."""
+        self.attn_backend.init_forward_metadata(forward_batch)
         hidden = F.embedding(forward_batch.input_ids, self.embed_tokens.weight)
         cos, sin = self.rotary_emb.cos_sin(forward_batch.positions)
         for layer in self.layers:
@@ -245,11 +259,9 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.model = LlamaModel(config, dtype, device, attn_backend)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = nn.Module()
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        else:
-            self.lm_head.weight = _param((config.vocab_size, config.hidden_size), dtype, device)
 
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> LogitsOutput:
@@ -269,7 +281,7 @@ class LlamaForCausalLM(nn.Module):
         return LogitsOutput(next_token_logits=self._logits(hidden[last]))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.model.norm(hidden), self.lm_head.weight).float()
+        return self.lm_head(self.model.norm(hidden)).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named weights in, fusing q/k/v and gate/up.
@@ -293,6 +305,9 @@ class LlamaForCausalLM(nn.Module):
             dst.copy_(tensor)
             loaded.add(target if rows is None else f"{target}:{rows.start}")
         self._check_loaded(params, loaded)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
 
     def _target(self, name: str, params: dict) -> tuple[str, slice | None]:
         """Our parameter for a Hugging Face weight name, and the rows it fills."""
