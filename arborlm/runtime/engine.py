@@ -311,9 +311,7 @@ class Engine:
             return
         self._closed = True
         try:
-            manager = self.tokenizer_manager
-            manager.send_sock.send_pyobj(Shutdown())
-            asyncio.run_coroutine_threadsafe(self._close_manager(manager), self._loop).result(10)
+            asyncio.run_coroutine_threadsafe(self._close_manager(self.tokenizer_manager), self._loop).result(10)
         except Exception:  # noqa: BLE001 - best effort while shutting down
             logger.debug("error while closing the tokenizer manager", exc_info=True)
         self._process.join(10)
@@ -325,6 +323,8 @@ class Engine:
         atexit.unregister(self.shutdown)
 
     async def _close_manager(self, manager: TokenizerManager) -> None:
+        # zmq sockets belong to the loop's thread: send and close from there.
+        manager.send_sock.send_pyobj(Shutdown())
         await asyncio.sleep(0.05)  # let the shutdown message leave the socket
         manager.close()
 

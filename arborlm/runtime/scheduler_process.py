@@ -55,9 +55,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, ready_co
     try:
         event_loop(scheduler, recv_sock, send_sock, parent)
     finally:
-        recv_sock.close(linger=0)
-        send_sock.close(linger=0)
-        ctx.term()
+        ctx.destroy(linger=0)
 
 
 def event_loop(scheduler, recv_sock, send_sock, parent_pid: int) -> None:

@@ -318,6 +318,5 @@ class TokenizerManager:
             self._loop_task.cancel()
         for state in self.rid_to_state.values():
             state.queue.put_nowait(RequestAbortedError("the engine is shutting down"))
-        self.send_sock.close(linger=0)
-        self.recv_sock.close(linger=0)
-        self.context.term()
+        # destroy() closes every socket first, so term() cannot block (also not later, in __del__).
+        self.context.destroy(linger=0)
