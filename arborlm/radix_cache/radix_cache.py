@@ -233,21 +233,11 @@ class RadixCache:
             return 0
         key = self._page_aligned(key)
         value = value[: len(key)].to("cpu", torch.int64).clone()
-        node, prefix_len = self.root, 0
-        now = self._tick()
-        node.last_access_time = now
-        while key:
-            child = node.children.get(self._child_key(key))
-            if child is None:
-                break
-            child.last_access_time = now
-            match_len = self._key_match_len(child.key, key)
-            if match_len < len(child.key):
-                child = self._split_node(child, match_len)
-            prefix_len += match_len
-            node, key, value = child, key[match_len:], value[match_len:]
-        if key:
-            self._add_leaf(node, key, value, now)
+        # Walking the tree refreshes the access time of the path and splits a partly matched edge.
+        values, node = self._match(key)
+        prefix_len = sum(len(v) for v in values)
+        if prefix_len < len(key):
+            self._add_leaf(node, key[prefix_len:], value[prefix_len:], node.last_access_time)
         return prefix_len
 
     def _add_leaf(self, parent: TreeNode, key: list[int], value: torch.Tensor, now: int) -> None:
