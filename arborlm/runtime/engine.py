@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import multiprocessing as mp
 import os
 import queue
 import shutil
+import sys
 import tempfile
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -30,6 +32,29 @@ logger = logging.getLogger(__name__)
 SCHEDULER_START_TIMEOUT_S = 900.0
 WATCHDOG_INTERVAL_S = 1.0
 _STREAM_END = object()
+
+
+@contextlib.contextmanager
+def _main_module_not_reimported():
+    """Keep `spawn` from re-running the caller's script in the scheduler process.
+
+    The scheduler's entry point and arguments live in arborlm, so the child does
+    not need `__main__`; without this, a script that builds an Engine at module
+    level (no `if __name__ == "__main__":` guard) would start engines recursively,
+    and `python - < script` or `python -c` could not start one at all.
+    """
+    main = sys.modules.get("__main__")
+    saved_spec = getattr(main, "__spec__", None)
+    saved_file = getattr(main, "__file__", None)
+    main.__spec__ = None
+    if saved_file is not None:
+        del main.__file__
+    try:
+        yield
+    finally:
+        main.__spec__ = saved_spec
+        if saved_file is not None:
+            main.__file__ = saved_file
 
 
 class Engine:
@@ -75,7 +100,8 @@ class Engine:
         process = ctx.Process(
             target=run_scheduler_process, args=(self.server_args, port_args, writer), daemon=True
         )
-        process.start()
+        with _main_module_not_reimported():
+            process.start()
         writer.close()
         if not reader.poll(SCHEDULER_START_TIMEOUT_S):
             process.kill()

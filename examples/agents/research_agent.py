@@ -52,7 +52,8 @@ def main() -> None:
         sgl.set_default_backend(engine)
         for question in QUESTIONS:
             print(f"=== {question}")
-            state = research_agent.run(question=question, temperature=0)
+            # Greedy with a mild repetition penalty: a 135M model loops without it.
+            state = research_agent.run(question=question, temperature=0, repetition_penalty=1.2)
             for name in ("plan", "facts", "answer", "critique"):
                 meta = state.get_meta_info(name)
                 print(f"--- {name}: prompt {meta['prompt_tokens']} tokens, cached {meta['cached_tokens']}, "

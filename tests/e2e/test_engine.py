@@ -166,3 +166,19 @@ def test_unknown_server_argument_is_type_error():
 
     with pytest.raises(TypeError, match="no_such_knob"):
         arborlm.Engine(no_such_knob=1)
+
+
+def test_engine_from_stdin_script_without_main_guard(tiny_llama_dir):
+    """spawn must not re-run the caller's script: `python - < script` with a module-level Engine works."""
+    import subprocess
+    import sys
+
+    script = (
+        "import arborlm\n"
+        f"engine = arborlm.Engine(model={str(tiny_llama_dir)!r}, dtype='float32', max_total_tokens=1024)\n"
+        "print('tokens', engine.generate('hi', {'max_new_tokens': 3, 'ignore_eos': True})['meta_info']['completion_tokens'])\n"
+        "engine.shutdown()\n"
+    )
+    done = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "tokens 3" in done.stdout
