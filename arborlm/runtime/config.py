@@ -8,6 +8,8 @@ raises `ValueError` naming the field and the bad value.
 from __future__ import annotations
 
 import dataclasses
+import os
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -18,6 +20,25 @@ SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 def _check(cond: bool, name: str, value: Any, expected: str) -> None:
     if not cond:
         raise ValueError(f"{name}={value!r} is invalid: expected {expected}")
+
+
+def _check_types(config: Any) -> None:
+    """Raise TypeError for a field whose value does not match its annotation (int, float, str, bool, or None)."""
+    hints = typing.get_type_hints(type(config))
+    for f in fields(config):
+        value = getattr(config, f.name)
+        allowed = typing.get_args(hints[f.name]) or (hints[f.name],)
+        if value is None and type(None) in allowed:
+            continue
+        ok = any(
+            (t is float and isinstance(value, (int, float)) and not isinstance(value, bool))
+            or (t is int and isinstance(value, int) and not isinstance(value, bool))
+            or (t in (str, bool) and isinstance(value, t))
+            for t in allowed
+        )
+        if not ok:
+            names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+            raise TypeError(f"{f.name}={value!r} has the wrong type: expected {names}")
 
 
 @dataclass(frozen=True)
@@ -34,8 +55,13 @@ class ModelConfig:
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
 
     def __post_init__(self):
+        _check_types(self)
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
         _check(self.device in ("auto", "cpu", "cuda"), "device", self.device, "auto, cpu or cuda")
+        if self.device == "cuda":
+            import torch
+
+            _check(torch.cuda.is_available(), "device", self.device, "a device this machine has (no CUDA GPU here)")
         _check(
             self.context_length is None or self.context_length > 0,
             "context_length", self.context_length, "a positive integer",
@@ -56,6 +82,7 @@ class CacheConfig:
     disable_radix_cache: bool = field(default=False, metadata={"help": "turn prefix sharing off"})
 
     def __post_init__(self):
+        _check_types(self)
         _check(
             self.max_total_tokens is None or self.max_total_tokens > 0,
             "max_total_tokens", self.max_total_tokens, "a positive integer",
@@ -84,6 +111,7 @@ class SchedulerConfig:
     random_seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
 
     def __post_init__(self):
+        _check_types(self)
         _check(self.max_running_requests >= 1, "max_running_requests", self.max_running_requests, ">= 1")
         _check(self.max_prefill_tokens >= 1, "max_prefill_tokens", self.max_prefill_tokens, ">= 1")
         _check(
@@ -111,6 +139,7 @@ class ServerConfig:
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
 
     def __post_init__(self):
+        _check_types(self)
         _check(0 <= self.port < 65536, "port", self.port, "0..65535")
 
 
@@ -138,6 +167,8 @@ class ServerArgs:
         """
         if "model" in kwargs:
             kwargs["model_path"] = kwargs.pop("model")
+        if isinstance(kwargs.get("model_path"), os.PathLike):
+            kwargs["model_path"] = os.fspath(kwargs["model_path"])
         groups: dict[str, dict[str, Any]] = {}
         for member in fields(cls):
             names = {f.name for f in fields(member.default_factory)}

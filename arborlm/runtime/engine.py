@@ -172,7 +172,15 @@ class Engine:
             params_list = [sampling_params] * len(items)
         reqs = []
         for item, params in zip(items, params_list):
-            params_dict = dict(params.__dict__) if isinstance(params, SamplingParams) else dict(params or {})
+            if isinstance(params, SamplingParams):
+                params_dict = dict(params.__dict__)
+            elif params is None or isinstance(params, dict):
+                params_dict = dict(params or {})
+            else:
+                raise InvalidRequestError(
+                    f"sampling_params must be a dict or SamplingParams, got {type(params).__name__}",
+                    param="sampling_params",
+                )
             n = params_dict.pop("n", 1)
             if not isinstance(n, int) or isinstance(n, bool) or n < 1:
                 raise InvalidRequestError("n must be an integer >= 1", param="n")

@@ -132,11 +132,11 @@ class SamplingParams:
         self._verify_types()
         checks = (
             ("max_new_tokens", self.max_new_tokens >= 0, ">= 0"),
-            ("temperature", self.temperature >= 0, ">= 0"),
+            ("temperature", 0 <= self.temperature < math.inf, ">= 0 and finite"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("top_k", self.top_k == -1 or self.top_k >= 1, "-1 (off) or >= 1"),
             ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
-            ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
+            ("repetition_penalty", 0 < self.repetition_penalty < math.inf, "> 0 and finite"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
             ("min_new_tokens", 0 <= self.min_new_tokens <= self.max_new_tokens,

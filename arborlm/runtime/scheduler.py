@@ -293,6 +293,12 @@ class Scheduler:
         sampled = self.output_processor.sample(sampling_reqs, logits_output.next_token_logits[rows])
         outputs = []
         for req, token_id, logprob_info in zip(sampling_reqs, sampled.token_ids, sampled.logprob_infos):
+            if req.sampling_params.max_new_tokens == 0:
+                # Prefill only (e.g. to warm the cache with a shared prefix): no token is generated.
+                req.finish_reason = {"type": "length", "length": 0}
+                outputs.append(self.output_processor.make_output(req, []))
+                self.release_req(req)
+                continue
             req.output_ids.append(token_id)
             self.stats["num_generated_tokens"] += 1
             self.output_processor.check_finished(req)

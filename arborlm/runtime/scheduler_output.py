@@ -173,7 +173,7 @@ class SchedulerOutputProcessor:
         if logprob_info is not None:
             out.output_token_logprobs = [(logprob_info.logprob, logprob_info.token_id)]
             out.output_top_logprobs = [logprob_info.top]
-        if req.return_logprob and not req.input_logprobs_sent and new_token_ids:
+        if req.return_logprob and not req.input_logprobs_sent and (new_token_ids or req.finished):
             out.input_token_logprobs = req.input_token_logprobs if req.logprob_start_len >= 0 else []
             out.input_top_logprobs = req.input_top_logprobs if req.logprob_start_len >= 0 else []
             req.input_logprobs_sent = True

@@ -128,25 +128,21 @@ class TokenizerManager:
             input_ids = self.tokenize(obj.text)
         else:
             input_ids = self._check_input_ids(obj.input_ids)
+        prompt_param = "text" if obj.text is not None else "input_ids"
         if not input_ids:
-            raise InvalidRequestError("the prompt is empty", param="text")
+            raise InvalidRequestError("the prompt is empty", param=prompt_param)
         context = self.model_info.context_length
         if len(input_ids) >= context:
             raise InvalidRequestError(
-                f"the prompt has {len(input_ids)} tokens; this model's context is {context} tokens "
+                f"the prompt has {len(input_ids)} tokens; this server's context is {context} tokens "
                 "(prompt + at least one generated token)",
-                param="text",
+                param=prompt_param,
             )
-        params = obj.sampling_params
-        if not isinstance(params, SamplingParams):
-            params = SamplingParams.from_dict(params or {})
-        params.verify(self.model_info.vocab_size)
-        params = params.normalized()
-        if not isinstance(obj.top_logprobs_num, int) or obj.top_logprobs_num < 0:
-            raise InvalidRequestError("top_logprobs_num must be an integer >= 0", param="top_logprobs_num")
-        if not isinstance(obj.logprob_start_len, int) or obj.logprob_start_len < -1:
-            raise InvalidRequestError("logprob_start_len must be an integer >= -1", param="logprob_start_len")
+        params = self._sampling_params(obj.sampling_params)
+        self._check_logprob_fields(obj)
         rid = obj.rid or uuid.uuid4().hex
+        if not isinstance(rid, str):
+            raise InvalidRequestError("rid must be a string", param="rid")
         if rid in self.rid_to_state:
             raise InvalidRequestError(f"request id {rid!r} is already in flight", param="rid")
         return (
@@ -162,6 +158,28 @@ class TokenizerManager:
             ),
             params,
         )
+
+    def _sampling_params(self, params: Any) -> SamplingParams:
+        if params is None:
+            params = {}
+        if isinstance(params, dict):
+            params = SamplingParams.from_dict(params)
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(
+                f"sampling_params must be a dict or SamplingParams, got {type(params).__name__}",
+                param="sampling_params",
+            )
+        params.verify(self.model_info.vocab_size)
+        return params.normalized()
+
+    def _check_logprob_fields(self, obj: GenerateReqInput) -> None:
+        vocab = self.model_info.vocab_size
+        top = obj.top_logprobs_num
+        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= vocab:
+            raise InvalidRequestError(f"top_logprobs_num must be an integer in [0, {vocab}]", param="top_logprobs_num")
+        start = obj.logprob_start_len
+        if not isinstance(start, int) or isinstance(start, bool) or start < -1:
+            raise InvalidRequestError("logprob_start_len must be an integer >= -1", param="logprob_start_len")
 
     def _check_input_ids(self, input_ids: Any) -> list[int]:
         vocab = self.model_info.vocab_size

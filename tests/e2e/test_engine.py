@@ -106,6 +106,14 @@ def test_logprobs(engine):
         ({"prompt": "x", "sampling_params": {"bogus_field": 1}}, "bogus_field"),
         ({"input_ids": [1, 2, 10**9]}, "input_ids"),
         ({"prompt": "x", "input_ids": [1]}, "prompt"),
+        ({"input_ids": []}, "input_ids"),
+        ({"prompt": "x", "sampling_params": "greedy"}, "sampling_params"),
+        ({"prompt": "x", "sampling_params": {"temperature": float("inf")}}, "temperature"),
+        ({"prompt": "x", "sampling_params": {"max_new_tokens": "10"}}, "max_new_tokens"),
+        ({"prompt": "x", "sampling_params": {"n": 0}}, "n"),
+        ({"prompt": "x", "sampling_params": {"stop": 5}}, "stop"),
+        ({"prompt": "x", "return_logprob": True, "top_logprobs_num": 10**6}, "top_logprobs_num"),
+        ({"prompt": "x", "rid": 5}, "rid"),
     ],
 )
 def test_bad_input_gets_typed_error_and_engine_keeps_serving(engine, kwargs, param):
@@ -182,3 +190,40 @@ def test_engine_from_stdin_script_without_main_guard(tiny_llama_dir):
     done = subprocess.run([sys.executable, "-"], input=script, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "tokens 3" in done.stdout
+
+
+def test_bad_request_among_concurrent_ones_fails_alone(engine):
+    async def main():
+        good = [engine.async_generate(f"good {i}", GREEDY) for i in range(3)]
+        bad = engine.async_generate("bad", GREEDY, return_logprob=True, top_logprobs_num=10**6)
+        return await asyncio.gather(*good, bad, return_exceptions=True)
+
+    *good, bad = asyncio.run(main())
+    assert isinstance(bad, InvalidRequestError)
+    assert all(g["meta_info"]["finish_reason"]["type"] == "length" for g in good)
+
+
+def test_max_new_tokens_zero_prefills_only_and_caches_the_prompt(engine):
+    out = engine.generate("warm this prefix for later requests", {"max_new_tokens": 0})
+    assert out["output_ids"] == [] and out["text"] == ""
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    again = engine.generate("warm this prefix for later requests", GREEDY)
+    assert again["meta_info"]["cached_tokens"] == again["meta_info"]["prompt_tokens"] - 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"max_total_tokens": "abc"}, TypeError),
+        ({"page_size": 1.5}, TypeError),
+        ({"model": 123}, TypeError),
+        ({"device": "tpu"}, ValueError),
+        ({"schedule_policy": "random"}, ValueError),
+        ({"mem_fraction": 0}, ValueError),
+    ],
+)
+def test_bad_server_arguments_fail_before_starting(kwargs, error):
+    import arborlm
+
+    with pytest.raises(error, match=next(iter(kwargs)).replace("model", "model_path")):
+        arborlm.Engine(**kwargs)
