@@ -453,6 +453,7 @@ class Sampler:
         eos_ids_list: list[list[int]] | None = None,
         num_generated: list[int] | None = None,
         top_logprobs_num: int = 0,
+        return_logprob: bool = True,
     ) -> SampleOutput:
         """Sample one token per row.
 
@@ -475,6 +476,9 @@ class Sampler:
         top_logprobs_num:
             Also return this many top logprobs per row (the batch's maximum;
             callers slice per request).
+        return_logprob:
+            Compute the chosen tokens' logprobs; when False (no request asked),
+            ``logprobs`` is an empty tensor and the (B, V) log-softmax is skipped.
         """
         batch_size = logits.shape[0]
         assert batch_size == info.batch_size, "one SamplingBatchInfo row per logits row"
@@ -486,6 +490,8 @@ class Sampler:
             logits, info, output_ids_list, prompt_ids_list, eos_ids_list, num_generated
         )
         next_token_ids = self._sample(logits, info)
+        if not return_logprob and top_logprobs_num <= 0:
+            return SampleOutput(next_token_ids, logits.new_empty(0), None)
         out = compute_logprobs(logits, next_token_ids, top_logprobs_num)
         top = out if top_logprobs_num > 0 else None
         return SampleOutput(next_token_ids, out.logprobs, top)

@@ -19,7 +19,7 @@ from arborlm.runtime.batch import ForwardBatch, ForwardMode
 from arborlm.runtime.sampling import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: requests are compared and looked up by object
 class Req:
     """One generation request inside the scheduler.
 

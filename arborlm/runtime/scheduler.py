@@ -288,9 +288,10 @@ class Scheduler:
             for req in batch.reqs:
                 self.cache_prefilled_prefix(req)
         # A chunked request still has prompt left: its sampled token is meaningless.
-        sampling_reqs = [r for r in batch.reqs if r.kv_len >= len(r.fill_ids) or not is_extend]
-        rows = [i for i, r in enumerate(batch.reqs) if r in sampling_reqs]
-        sampled = self.output_processor.sample(sampling_reqs, logits_output.next_token_logits[rows])
+        rows = [i for i, r in enumerate(batch.reqs) if not is_extend or r.kv_len >= len(r.fill_ids)]
+        sampling_reqs = [batch.reqs[i] for i in rows]
+        logits = logits_output.next_token_logits
+        sampled = self.output_processor.sample(sampling_reqs, logits if len(rows) == len(batch.reqs) else logits[rows])
         outputs = []
         for req, token_id, logprob_info in zip(sampling_reqs, sampled.token_ids, sampled.logprob_infos):
             if req.sampling_params.max_new_tokens == 0:

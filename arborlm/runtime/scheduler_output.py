@@ -71,6 +71,7 @@ class SchedulerOutputProcessor:
             prompt_ids_list=[r.origin_input_ids for r in reqs] if info.need_repetition_penalty else None,
             eos_ids_list=[self._eos_ids(r) for r in reqs] if info.need_min_new_tokens else None,
             top_logprobs_num=top_n,
+            return_logprob=any(r.return_logprob for r in reqs),
         )
         token_ids = out.next_token_ids.tolist()
         infos: list[LogprobInfo | None] = []
