@@ -228,7 +228,7 @@ class FirstTokenTimer(transformers.generation.streamers.BaseStreamer):
             self.first_token_time = time.perf_counter()
 
     def end(self) -> None:
-        pass
+        """Part of transformers' streamer interface; nothing to record at the end."""
 
 
 def load_hf(checkpoint: str, dtype: str):

