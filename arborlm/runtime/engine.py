@@ -22,6 +22,7 @@ from typing import Any
 
 from arborlm.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 from arborlm.runtime.config import ServerArgs
+from arborlm.runtime.io_struct import TokenizedGenerateReqInput
 from arborlm.runtime.sampling import SamplingParams
 from arborlm.runtime.scheduler_process import PortArgs, Shutdown, run_scheduler_process
 from arborlm.runtime.tokenizer_manager import GenerateReqInput, TokenizerManager
@@ -253,16 +254,15 @@ class Engine:
 
     async def _gather(self, reqs: list[GenerateReqInput]) -> list[dict[str, Any]]:
         manager = self.tokenizer_manager
-        # Validate every item first so a bad one rejects the batch before anything runs.
-        for req in reqs:
-            manager.build_request(GenerateReqInput(**{**req.__dict__, "rid": None}))
+        # Validate and tokenize every item first, so a bad one rejects the batch before anything runs.
+        built = [manager.build_request(req) for req in reqs]
 
-        async def one(req: GenerateReqInput) -> dict[str, Any]:
+        async def one(req: TokenizedGenerateReqInput) -> dict[str, Any]:
             async for result in manager.generate(req):
                 return result
             raise EngineDeadError("no result")
 
-        return list(await asyncio.gather(*(one(r) for r in reqs)))
+        return list(await asyncio.gather(*(one(r) for r in built)))
 
     def _stream_sync(self, prompt, input_ids, sampling_params, kwargs) -> Iterator[dict[str, Any]]:
         reqs, is_batch = self._requests(prompt, input_ids, sampling_params, stream=True, **kwargs)

@@ -72,6 +72,17 @@ class Req:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def prefix_match_key(self) -> list[int]:
+        """The tokens whose cached KV the request may reuse at admission.
+
+        Never the last fill token (its logits give the next token), and not past
+        the first prompt position whose logprob was asked for.
+        """
+        max_prefix = self.seqlen - 1
+        if self.wants_prompt_logprobs():
+            max_prefix = min(max_prefix, max(self.logprob_start_len - 1, 0))
+        return self.fill_ids[:max_prefix]
+
     def wants_prompt_logprobs(self) -> bool:
         return (
             self.return_logprob

@@ -12,7 +12,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from arborlm.radix_cache.radix_cache import RadixCache
+from arborlm.radix_cache.radix_cache import MatchResult, RadixCache
 from arborlm.runtime.schedule_batch import Req
 
 # Cap on the tokens one request is expected to still generate (SGLang clips its estimate the same way).
@@ -40,30 +40,38 @@ class SchedulePolicy:
         self.tree_cache = tree_cache
         self.deprioritized: set[str] = set()
 
-    def calc_priority(self, waiting_queue: list[Req]) -> None:
+    def calc_priority(self, waiting_queue: list[Req]) -> dict[str, MatchResult]:
         """Sort `waiting_queue` in place, most urgent first, and fill `deprioritized`.
 
         `deprioritized` holds the ids of requests that should wait one step
         because another waiting request is about to prefill the same
         uncached prefix.
+
+        Returns
+        -------
+        The cache match of each request's `prefix_match_key()` by request id
+        (empty under fcfs), valid until the cache is next inserted into or
+        evicted from, so admission in the same step need not match again.
         """
         self.deprioritized = set()
         policy = self.policy
         if policy != "fcfs" and (self.tree_cache.disable or len(waiting_queue) > LPM_MAX_QUEUE):
             policy = "fcfs"
         if policy == "fcfs":
-            return
-        match_lens = {id(r): self._match_len(r) for r in waiting_queue}
+            return {}
+        matches = {r.rid: self.tree_cache.match_prefix(r.prefix_match_key()) for r in waiting_queue}
         if policy == "lpm":
-            waiting_queue.sort(key=lambda r: -match_lens[id(r)])
+            waiting_queue.sort(key=lambda r: -len(matches[r.rid].device_indices))
         else:
-            self._sort_dfs_weight(waiting_queue)
-        self._mark_in_batch_sharing(waiting_queue, match_lens)
+            self._sort_dfs_weight(waiting_queue, matches)
+        self._mark_in_batch_sharing(waiting_queue, matches)
+        return matches
 
-    def _mark_in_batch_sharing(self, waiting_queue: list[Req], match_lens: dict[int, int]) -> None:
+    def _mark_in_batch_sharing(self, waiting_queue: list[Req], matches: dict[str, MatchResult]) -> None:
         leaders: set[tuple[int, ...]] = set()
         for req in waiting_queue:
-            if match_lens[id(req)] > IN_BATCH_CACHED_THRESHOLD or len(req.fill_ids) <= IN_BATCH_PREFIX_LEN:
+            cached = len(matches[req.rid].device_indices)
+            if cached > IN_BATCH_CACHED_THRESHOLD or len(req.fill_ids) <= IN_BATCH_PREFIX_LEN:
                 continue
             head = tuple(req.fill_ids[:IN_BATCH_PREFIX_LEN])
             if head in leaders:
@@ -71,21 +79,15 @@ class SchedulePolicy:
             else:
                 leaders.add(head)
 
-    def _match_len(self, req: Req) -> int:
-        return len(self.tree_cache.match_prefix(req.fill_ids).device_indices)
-
-    def _sort_dfs_weight(self, waiting_queue: list[Req]) -> None:
+    def _sort_dfs_weight(self, waiting_queue: list[Req], matches: dict[str, MatchResult]) -> None:
         """Depth-first over the tree, children with more waiting requests first."""
         by_node = defaultdict(list)
-        for req in waiting_queue:
-            by_node[id(self.tree_cache.match_prefix(req.fill_ids).last_node)].append(req)
         weight: dict[int, int] = defaultdict(int)
-        nodes = {}
         for req in waiting_queue:
-            node = self.tree_cache.match_prefix(req.fill_ids).last_node
+            node = matches[req.rid].last_node
+            by_node[id(node)].append(req)
             while node is not None:
                 weight[id(node)] += 1
-                nodes[id(node)] = node
                 node = node.parent
         ordered: list[Req] = []
         stack = [self.tree_cache.root]

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from arborlm.radix_cache.radix_cache import RadixCache
+from arborlm.radix_cache.radix_cache import MatchResult, RadixCache
 from arborlm.runtime.batch import ForwardMode
 from arborlm.runtime.config import ServerArgs
 from arborlm.runtime.io_struct import (
@@ -177,11 +177,12 @@ class Scheduler:
             context_length=self.model_runner.context_length,
         )
         adder.reserve_running(self.running)
+        matches = {}
         if self.chunked_req is not None:
             req, self.chunked_req = self.chunked_req, None
             adder.add_one_req(req, req.kv_len, nothing_running=True)
         else:
-            self.policy.calc_priority(self.waiting_queue)
+            matches = self.policy.calc_priority(self.waiting_queue)
         for req in list(self.waiting_queue):
             if adder.new_chunked_req is not None or not adder.budget_left():
                 break
@@ -189,7 +190,7 @@ class Scheduler:
                 continue
             if len(self.running) + len(adder.can_run_list) >= self.model_runner.max_running_requests:
                 break
-            if not self._admit(req, adder):
+            if not self._admit(req, adder, matches.get(req.rid)):
                 break
             self.waiting_queue.remove(req)
         self.chunked_req = adder.new_chunked_req
@@ -197,14 +198,10 @@ class Scheduler:
             return None
         return ScheduleBatch(adder.can_run_list, ForwardMode.EXTEND)
 
-    def _admit(self, req: Req, adder: PrefillAdder) -> bool:
-        """Match the cached prefix, lock it and try to add `req`; undo on refusal."""
-        fill_ids = req.fill_ids
-        # The last token is always computed: its logits give the next token.
-        max_prefix = len(fill_ids) - 1
-        if req.wants_prompt_logprobs():
-            max_prefix = min(max_prefix, max(req.logprob_start_len - 1, 0))
-        match = self.tree_cache.match_prefix(fill_ids[:max_prefix])
+    def _admit(self, req: Req, adder: PrefillAdder, match: MatchResult | None) -> bool:
+        """Lock the cached prefix (`match`, or a fresh one) and try to add `req`."""
+        if match is None:
+            match = self.tree_cache.match_prefix(req.prefix_match_key())
         prefix_len = len(match.device_indices)
         if not adder.add_one_req(req, prefix_len, nothing_running=not self.running):
             return False
@@ -287,19 +284,22 @@ class Scheduler:
             self.output_processor.collect_prompt_logprobs(batch.reqs, logits_output, forward_batch)
             for req in batch.reqs:
                 self.cache_prefilled_prefix(req)
-        # A chunked request still has prompt left: its sampled token is meaningless.
-        rows = [i for i, r in enumerate(batch.reqs) if not is_extend or r.kv_len >= len(r.fill_ids)]
-        sampling_reqs = [batch.reqs[i] for i in rows]
-        logits = logits_output.next_token_logits
-        sampled = self.output_processor.sample(sampling_reqs, logits if len(rows) == len(batch.reqs) else logits[rows])
         outputs = []
-        for req, token_id, logprob_info in zip(sampling_reqs, sampled.token_ids, sampled.logprob_infos):
+        # A chunked request with prompt left samples nothing; nor does a prefill-only one.
+        rows = []
+        for i, req in enumerate(batch.reqs):
+            if is_extend and req.kv_len < len(req.fill_ids):
+                continue
             if req.sampling_params.max_new_tokens == 0:
-                # Prefill only (e.g. to warm the cache with a shared prefix): no token is generated.
                 req.finish_reason = {"type": "length", "length": 0}
                 outputs.append(self.output_processor.make_output(req, []))
                 self.release_req(req)
                 continue
+            rows.append(i)
+        sampling_reqs = [batch.reqs[i] for i in rows]
+        logits = logits_output.next_token_logits
+        sampled = self.output_processor.sample(sampling_reqs, logits if len(rows) == len(batch.reqs) else logits[rows])
+        for req, token_id, logprob_info in zip(sampling_reqs, sampled.token_ids, sampled.logprob_infos):
             req.output_ids.append(token_id)
             self.stats["num_generated_tokens"] += 1
             self.output_processor.check_finished(req)

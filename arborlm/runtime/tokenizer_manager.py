@@ -111,7 +111,7 @@ class TokenizerManager:
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def build_request(self, obj: GenerateReqInput) -> tuple[TokenizedGenerateReqInput, SamplingParams]:
+    def build_request(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
         """Validate and tokenize one request.
 
         Raises
@@ -145,18 +145,15 @@ class TokenizerManager:
             raise InvalidRequestError("rid must be a string", param="rid")
         if rid in self.rid_to_state:
             raise InvalidRequestError(f"request id {rid!r} is already in flight", param="rid")
-        return (
-            TokenizedGenerateReqInput(
-                rid=rid,
-                input_ids=input_ids,
-                sampling_params=params,
-                seed=params.seed if params.seed is not None else self._next_seed(),
-                return_logprob=bool(obj.return_logprob),
-                logprob_start_len=obj.logprob_start_len,
-                top_logprobs_num=obj.top_logprobs_num,
-                stream=obj.stream,
-            ),
-            params,
+        return TokenizedGenerateReqInput(
+            rid=rid,
+            input_ids=input_ids,
+            sampling_params=params,
+            seed=params.seed if params.seed is not None else self._next_seed(),
+            return_logprob=bool(obj.return_logprob),
+            logprob_start_len=obj.logprob_start_len,
+            top_logprobs_num=obj.top_logprobs_num,
+            stream=obj.stream,
         )
 
     def _sampling_params(self, params: Any) -> SamplingParams:
@@ -198,8 +195,13 @@ class TokenizerManager:
 
     # ---- requests -----------------------------------------------------------
 
-    async def generate(self, obj: GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
+    async def generate(
+        self, obj: GenerateReqInput | TokenizedGenerateReqInput
+    ) -> AsyncIterator[dict[str, Any]]:
         """Run one request; yields one dict per step when streaming, else the final dict.
+
+        `obj` is validated and tokenized here, unless it already is (the output
+        of `build_request`, as a batch is checked whole before anything runs).
 
         A stream chunk's `text` is the new text since the previous chunk; the
         chunks concatenate to the final text. Aborting the consumer (closing the
@@ -210,7 +212,8 @@ class TokenizerManager:
         InvalidRequestError, EngineDeadError
         """
         self._check_alive()
-        recv, params = self.build_request(obj)
+        recv = obj if isinstance(obj, TokenizedGenerateReqInput) else self.build_request(obj)
+        params = recv.sampling_params
         state = ReqState(
             rid=recv.rid,
             decoder=RequestDecoder(
@@ -232,10 +235,10 @@ class TokenizerManager:
                 if isinstance(out, BaseException):
                     raise out
                 delta = self._apply_output(state, out)
-                if obj.stream:
+                if recv.stream:
                     yield self._make_result(state, out, delta, out.new_token_ids)
                 if state.finished:
-                    if not obj.stream:
+                    if not recv.stream:
                         yield self._make_result(state, out, state.text, state.output_ids)
                     return
         finally:
