@@ -108,20 +108,19 @@ class ModelRunner:
         return self.hf_config.vocab_size
 
     def eos_token_ids(self, tokenizer) -> tuple[int, ...]:
-        """EOS ids from the model config, its generation config and the tokenizer."""
+        """EOS ids from the model config, its generation config (if any) and the tokenizer."""
+        from transformers import GenerationConfig
+
+        try:
+            generation_eos = GenerationConfig.from_pretrained(str(self.checkpoint)).eos_token_id
+        except OSError:  # no generation_config.json in the checkpoint
+            generation_eos = None
         ids: set[int] = set()
-        for source in (self.hf_config.eos_token_id, getattr(tokenizer, "eos_token_id", None)):
+        for source in (self.hf_config.eos_token_id, generation_eos, getattr(tokenizer, "eos_token_id", None)):
             if isinstance(source, int):
                 ids.add(source)
             elif source:
                 ids.update(source)
-        gen_cfg = os.path.join(str(self.checkpoint), "generation_config.json")
-        if os.path.exists(gen_cfg):
-            import json
-
-            with open(gen_cfg) as f:
-                eos = json.load(f).get("eos_token_id")
-            ids.update([eos] if isinstance(eos, int) else (eos or []))
         return tuple(sorted(ids))
 
     def model_info(self, tokenizer) -> ModelInfo:
