@@ -164,6 +164,8 @@ class Engine:
         items = (prompt if prompt is not None else input_ids) if is_batch else [prompt if prompt is not None else input_ids]
         if is_batch and not items:
             raise InvalidRequestError("the batch is empty", param="prompt")
+        if prompt is not None and not all(isinstance(p, str) for p in items):
+            raise InvalidRequestError("prompt must be a string or a list of strings", param="prompt")
         if isinstance(sampling_params, list):
             if len(sampling_params) != len(items):
                 raise InvalidRequestError("one sampling_params per prompt, or a single dict", param="sampling_params")

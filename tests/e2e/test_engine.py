@@ -107,6 +107,8 @@ def test_logprobs(engine):
         ({"input_ids": [1, 2, 10**9]}, "input_ids"),
         ({"prompt": "x", "input_ids": [1]}, "prompt"),
         ({"input_ids": []}, "input_ids"),
+        ({"prompt": ["fine", None]}, "prompt"),
+        ({"prompt": 42}, "prompt"),
         ({"prompt": "x", "sampling_params": "greedy"}, "sampling_params"),
         ({"prompt": "x", "sampling_params": {"temperature": float("inf")}}, "temperature"),
         ({"prompt": "x", "sampling_params": {"max_new_tokens": "10"}}, "max_new_tokens"),
