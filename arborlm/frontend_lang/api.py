@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from typing import Any
 
+from arborlm.errors import InvalidRequestError
 from arborlm.frontend_lang.backend.base_backend import BaseBackend
 from arborlm.frontend_lang.interpreter import ProgramState
 from arborlm.frontend_lang.ir import SglExpr, SglGen, role_block
@@ -63,12 +65,28 @@ def gen(
     ignore_eos: bool | None = None,
     min_tokens: int | None = None,
     seed: int | None = None,
+    regex: str | None = None,
+    json_schema: Any = None,
+    choices: list[str] | None = None,
 ) -> SglGen:
     """Generate text at this point of the program and store it under `name`.
 
     `max_tokens` maps to `max_new_tokens` and `min_tokens` to `min_new_tokens`;
     unset fields take the program's defaults, then `SamplingParams`' defaults.
+
+    At most one constraint: `regex`; `json_schema` as a dict, its JSON text or
+    a pydantic model class; `choices`, a list of strings the output must equal
+    one of (compiled to a regex alternation).
+
+    Raises
+    ------
+    InvalidRequestError: more than one constraint, or empty / non-string choices.
     """
+    given = [n for n, v in (("regex", regex), ("json_schema", json_schema), ("choices", choices)) if v is not None]
+    if len(given) > 1:
+        raise InvalidRequestError(f"give at most one of regex, json_schema and choices, got {given}", given[1])
+    if choices is not None:
+        regex = choices_regex(choices)
     sampling = {
         "max_new_tokens": max_tokens,
         "stop": stop,
@@ -83,8 +101,29 @@ def gen(
         "ignore_eos": ignore_eos,
         "min_new_tokens": min_tokens,
         "seed": seed,
+        "regex": regex,
+        "json_schema": schema_of(json_schema),
     }
     return SglGen(name, {k: v for k, v in sampling.items() if v is not None})
+
+
+def choices_regex(choices: list[str]) -> str:
+    """A regex that full-matches exactly one of ``choices`` (escaped literally).
+
+    Raises
+    ------
+    InvalidRequestError: ``choices`` empty or not all strings.
+    """
+    if not isinstance(choices, (list, tuple)) or not choices or not all(isinstance(c, str) for c in choices):
+        raise InvalidRequestError("choices must be a non-empty list of strings", "choices")
+    return "(" + "|".join(re.escape(c) for c in choices) + ")"
+
+
+def schema_of(json_schema: Any) -> Any:
+    """A pydantic model class becomes its JSON schema; anything else passes through."""
+    if isinstance(json_schema, type) and hasattr(json_schema, "model_json_schema"):
+        return json_schema.model_json_schema()
+    return json_schema
 
 
 def system(expr: Any = None) -> SglExpr:

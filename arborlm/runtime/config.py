@@ -129,6 +129,30 @@ class SchedulerConfig:
         )
 
 
+GRAMMAR_BACKENDS = ("xgrammar", "outlines")
+
+
+@dataclass(frozen=True)
+class GrammarConfig:
+    """Grammar-constrained decoding (see `arborlm.constrained`)."""
+
+    grammar_backend: str = field(default="xgrammar", metadata={"help": "xgrammar | outlines"})
+    grammar_compile_timeout: float = field(
+        default=30.0, metadata={"help": "seconds a request may wait for its grammar to compile"}
+    )
+    disable_jump_forward: bool = field(
+        default=False, metadata={"help": "do not append the tokens a grammar forces without decoding"}
+    )
+
+    def __post_init__(self):
+        _check_types(self)
+        _check(
+            self.grammar_backend in GRAMMAR_BACKENDS,
+            "grammar_backend", self.grammar_backend, f"one of {GRAMMAR_BACKENDS}",
+        )
+        _check(self.grammar_compile_timeout > 0, "grammar_compile_timeout", self.grammar_compile_timeout, "> 0")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The HTTP front (used by `arborlm serve`)."""
@@ -150,6 +174,7 @@ class ServerArgs:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
     @classmethod

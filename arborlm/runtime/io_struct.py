@@ -8,9 +8,12 @@ Plain dataclasses, pickled over zmq. The front sends `TokenizedGenerateReqInput`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from arborlm.runtime.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from arborlm.constrained.grammar_spec import GrammarSpec
 
 
 @dataclass
@@ -20,6 +23,7 @@ class TokenizedGenerateReqInput:
     input_ids: prompt token ids (at least one token).
     seed: the sampling seed actually used (the request's or one derived from the server's).
     logprob_start_len: first prompt position whose logprob is returned; -1 = none.
+    grammar: the constraint, already checked by the front (None: unconstrained).
     """
 
     rid: str
@@ -30,6 +34,7 @@ class TokenizedGenerateReqInput:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     stream: bool = False
+    grammar: GrammarSpec | None = None
 
 
 @dataclass

@@ -45,6 +45,7 @@ _BOOL_FIELDS = (
     "skip_special_tokens",
     "spaces_between_special_tokens",
     "no_stop_trim",
+    "json_schema_lenient",
 )
 
 
@@ -64,6 +65,13 @@ class SamplingParams:
     strings end the request when they appear in the decoded text (trimmed from
     the output unless ``no_stop_trim``); ``stop_token_ids`` end it on those ids.
     Call `verify` before use; `from_dict` builds one from a JSON body.
+
+    At most one of ``json_schema`` (a schema object or its JSON text;
+    ``"$$ANY$$"`` for any JSON value), ``regex``, ``ebnf`` (GBNF, root rule
+    ``root``) and ``structural_tag`` constrains the output. A schema keyword
+    no backend enforces is refused unless ``json_schema_lenient``, in which
+    case it is dropped from the grammar and the output is still validated
+    against the full schema when it finishes.
     """
 
     max_new_tokens: int = 128
@@ -83,6 +91,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    # Grammar constraints (at most one; see `arborlm.constrained`).
+    json_schema: str | dict | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | dict | None = None
+    json_schema_lenient: bool = False
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -179,6 +193,15 @@ class SamplingParams:
                 raise bad("stop", "a string or a list of strings")
         if any(s == "" for s in ([stop] if isinstance(stop, str) else stop or ())):
             raise InvalidRequestError("stop strings must not be empty", "stop")
+        for name in ("regex", "ebnf"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise bad(name, "a string")
+        for name in ("json_schema", "structural_tag"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), (str, dict, bool)):
+                raise bad(name, "a JSON object or its text")
+        given = [n for n in ("json_schema", "regex", "ebnf", "structural_tag") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise InvalidRequestError(f"give at most one grammar constraint, got {given}", given[1])
         ids = self.stop_token_ids
         if ids is not None and (
             not isinstance(ids, (list, tuple)) or not all(_is_int(i) for i in ids)

@@ -51,6 +51,8 @@ class Req:
     admitted_time: float = 0.0
     input_logprobs_sent: bool = False
     generator: torch.Generator | None = None
+    # GrammarMatcher of a constrained request, positioned after output_ids (None: unconstrained).
+    grammar: Any = None
     # Prompt logprob bookkeeping when return_logprob with logprob_start_len >= 0.
     input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)

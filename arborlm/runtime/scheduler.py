@@ -16,6 +16,13 @@ from typing import Any
 
 import torch
 
+from arborlm.constrained.base import GrammarError
+from arborlm.constrained.grammar_manager import (
+    GrammarManager,
+    PendingGrammar,
+    create_grammar_backend,
+)
+from arborlm.constrained.jump_forward import jump_forward_tokens
 from arborlm.radix_cache.radix_cache import MatchResult, RadixCache
 from arborlm.runtime.batch import ForwardMode
 from arborlm.runtime.config import ServerArgs
@@ -34,6 +41,9 @@ from arborlm.runtime.schedule_policy import PrefillAdder, SchedulePolicy
 from arborlm.runtime.scheduler_output import SchedulerOutputProcessor
 
 logger = logging.getLogger(__name__)
+
+# Seconds the loop waits for a grammar compile when it has nothing else to run.
+GRAMMAR_POLL_S = 0.005
 
 
 class Scheduler:
@@ -71,6 +81,11 @@ class Scheduler:
             tokenizer, self.model_info.eos_token_ids, mr.vocab_size, mr.context_length, mr.device
         )
         self.waiting_queue: list[Req] = []
+        # Constrained requests whose grammar is still compiling (in the grammar worker thread).
+        self.grammar_queue: list[tuple[Req, PendingGrammar]] = []
+        self._grammar_manager: GrammarManager | None = None
+        # Requests that appended forced tokens and need one extend step before decoding on.
+        self.jump_forward_reqs: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self.new_token_ratio = sched.init_new_token_ratio
@@ -83,6 +98,10 @@ class Scheduler:
             "num_retractions": 0,
             "num_decode_steps": 0,
             "num_extend_steps": 0,
+            "num_grammar_reqs": 0,
+            "num_grammar_failures": 0,
+            "num_jump_forward_tokens": 0,
+            "num_jump_forward_steps": 0,
         }
 
     # ---- inputs -------------------------------------------------------------
@@ -119,23 +138,66 @@ class Scheduler:
             req.finish_reason = {"type": "abort", "message": "prompt is empty or longer than the context"}
             self.pending_outputs.append(self.output_processor.make_output(req, []))
             return
+        if recv.grammar is not None:
+            self.stats["num_grammar_reqs"] += 1
+            self.grammar_queue.append((req, self.grammar_manager.request(recv.grammar.key)))
+            return
         self.waiting_queue.append(req)
+
+    @property
+    def grammar_manager(self) -> GrammarManager:
+        """Built on the first constrained request (the backend reads the whole vocabulary)."""
+        if self._grammar_manager is None:
+            cfg = self.server_args.grammar
+            backend = create_grammar_backend(
+                cfg.grammar_backend, self.tokenizer, self.model_runner.vocab_size, list(self.model_info.eos_token_ids)
+            )
+            self._grammar_manager = GrammarManager(backend, cfg.grammar_compile_timeout)
+        return self._grammar_manager
+
+    def poll_grammar_queue(self) -> None:
+        """Move requests whose grammar compiled to the waiting queue; fail those whose did not."""
+        if not self.grammar_queue:
+            return
+        now = time.monotonic()
+        still = []
+        for req, pending in self.grammar_queue:
+            try:
+                compiled = pending.result(now)
+            except GrammarError as e:
+                self.stats["num_grammar_failures"] += 1
+                req.finish_reason = {"type": "abort", "message": e.message, "param": e.param or pending.key.param}
+                self.pending_outputs.append(self.output_processor.make_output(req, []))
+                continue
+            if compiled is None:
+                still.append((req, pending))
+            else:
+                req.grammar = compiled.new_matcher()
+                self.waiting_queue.append(req)
+        self.grammar_queue = still
 
     def abort_request(self, rid: str) -> None:
         """Abort a waiting request at once, a running one at the end of its step."""
-        for i, req in enumerate(self.waiting_queue):
-            if req.rid == rid:
-                del self.waiting_queue[i]
+        queued = [(i, req) for i, req in enumerate(self.waiting_queue) if req.rid == rid]
+        compiling = [(i, req) for i, (req, _) in enumerate(self.grammar_queue) if req.rid == rid]
+        for queue, found in ((self.waiting_queue, queued), (self.grammar_queue, compiling)):
+            if found:
+                i, req = found[0]
+                del queue[i]
                 req.finish_reason = {"type": "abort", "message": "aborted by request"}
                 self.pending_outputs.append(self.output_processor.make_output(req, []))
                 return
-        for req in self.running + ([self.chunked_req] if self.chunked_req else []):
+        for req in self.alive_reqs():
             if req.rid == rid:
                 req.to_abort = True
 
+    def alive_reqs(self) -> list[Req]:
+        """Requests that hold a `req_to_token` row: running, chunked or jumping forward."""
+        return self.running + self.jump_forward_reqs + ([self.chunked_req] if self.chunked_req else [])
+
     def flush_cache(self) -> bool:
         """Empty the radix cache; refused (False) while requests are in flight."""
-        if self.waiting_queue or self.running or self.chunked_req:
+        if self.waiting_queue or self.grammar_queue or self.alive_reqs():
             return False
         self.tree_cache.reset()
         return True
@@ -144,17 +206,29 @@ class Scheduler:
 
     def step(self) -> list[ReqOutput]:
         """One iteration: pick a batch, run it, return what every request produced."""
+        self.poll_grammar_queue()
         batch = self.get_next_batch_to_run()
         outputs, self.pending_outputs = self.pending_outputs, []
         if batch is not None:
             outputs.extend(self.run_batch(batch))
+        elif self.grammar_queue and not outputs:
+            # Only compiles pending: wait a little for one instead of spinning.
+            self.grammar_manager.wait_any([p for _, p in self.grammar_queue], GRAMMAR_POLL_S)
         return outputs
 
     def has_work(self) -> bool:
-        return bool(self.waiting_queue or self.running or self.chunked_req or self.pending_outputs)
+        return bool(
+            self.waiting_queue or self.grammar_queue or self.alive_reqs() or self.pending_outputs
+        )
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        """Prefill has priority; otherwise every running request decodes one token."""
+        """Jump-forward extends first, then prefill; otherwise every running request decodes one token."""
+        if self.jump_forward_reqs:
+            reqs, self.jump_forward_reqs = self.jump_forward_reqs, []
+            for req in reqs:
+                req.extend_input_len = req.seqlen - req.kv_len
+            self.stats["num_jump_forward_steps"] += 1
+            return ScheduleBatch(reqs, ForwardMode.EXTEND)
         batch = self.get_new_batch_prefill()
         if batch is not None:
             return batch
@@ -252,6 +326,7 @@ class Scheduler:
                 self.release_req(req)
                 outputs.append(self.output_processor.make_output(req, []))
             self.running = [r for r in self.running if not r.finished]
+            self.jump_forward_reqs = [r for r in self.jump_forward_reqs if not r.finished]
             if self.chunked_req is not None and self.chunked_req.finished:
                 self.chunked_req = None
             return outputs
@@ -302,10 +377,14 @@ class Scheduler:
         for req, token_id, logprob_info in zip(sampling_reqs, sampled.token_ids, sampled.logprob_infos):
             req.output_ids.append(token_id)
             self.stats["num_generated_tokens"] += 1
+            self.output_processor.accept_grammar_token(req, token_id)
             self.output_processor.check_finished(req)
-            outputs.append(self.output_processor.make_output(req, [token_id], logprob_info))
+            forced = self.jump_forward(req)
+            outputs.append(self.output_processor.make_output(req, [token_id, *forced], logprob_info))
             if req.finished:
                 self.release_req(req)
+            elif forced:
+                self.jump_forward_reqs.append(req)
             elif is_extend:
                 self.running.append(req)
         for req in batch.reqs:
@@ -315,8 +394,28 @@ class Scheduler:
                 self.release_req(req)
                 if self.chunked_req is req:
                     self.chunked_req = None
-        self.running = [r for r in self.running if not r.finished]
+        self.running = [r for r in self.running if not r.finished and r not in self.jump_forward_reqs]
         return outputs
+
+    def jump_forward(self, req: Req) -> list[int]:
+        """Append the tokens `req`'s grammar forces now (see `constrained.jump_forward`).
+
+        Returns them; the request then needs an extend step over them (it moves
+        to `jump_forward_reqs`) instead of that many decode steps.
+        """
+        if req.finished or req.grammar is None or req.to_abort or self.server_args.grammar.disable_jump_forward:
+            return []
+        budget = min(req.remaining_new_tokens, self.model_runner.context_length - req.seqlen)
+        # Leave room for the other jumps' extends and everyone's next token; never retract to jump.
+        reserved = sum(r.seqlen - r.kv_len for r in self.jump_forward_reqs) + len(self.running) + 2
+        budget = min(budget, self.allocator.available_size() + self.tree_cache.evictable_size() - reserved)
+        forced = jump_forward_tokens(req.grammar, self.tokenizer, req.output_ids, budget)
+        if forced:
+            req.output_ids.extend(forced)
+            self.stats["num_jump_forward_tokens"] += len(forced)
+            self.stats["num_generated_tokens"] += len(forced)
+            self.output_processor.check_finished(req, num_new_tokens=len(forced))
+        return forced
 
     def cache_prefilled_prefix(self, req: Req) -> None:
         """Put a request's freshly prefilled KV into the radix cache at once (still locked).
@@ -349,8 +448,9 @@ class Scheduler:
         prompt = self.stats["num_prompt_tokens"]
         return {
             **self.stats,
-            "num_running_reqs": len(self.running) + (1 if self.chunked_req else 0),
-            "num_waiting_reqs": len(self.waiting_queue),
+            "num_running_reqs": len(self.alive_reqs()),
+            "num_waiting_reqs": len(self.waiting_queue) + len(self.grammar_queue),
+            "num_grammar_compiling": len(self.grammar_queue),
             "max_total_tokens": self.model_runner.max_total_tokens,
             "free_kv_tokens": self.allocator.available_size(),
             "cached_kv_tokens": self.tree_cache.total_size(),
@@ -366,7 +466,7 @@ class Scheduler:
         self.allocator.check_invariants()
         self.req_to_token_pool.check_invariants()
         self.tree_cache.check_invariants()
-        alive = self.running + ([self.chunked_req] if self.chunked_req else [])
+        alive = self.alive_reqs()
         owned = sum(r.kv_len - len(r.prefix_indices) for r in alive)
         accounted = self.allocator.available_size() + self.tree_cache.total_size() + owned
         assert accounted == self.allocator.size, f"KV slots leaked: {accounted} != {self.allocator.size}"

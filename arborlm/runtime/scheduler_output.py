@@ -6,16 +6,22 @@ EOS ids, the sampler) so the scheduler loop stays short.
 
 from __future__ import annotations
 
+import logging
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
+from arborlm.constrained.base import allocate_vocab_mask, apply_vocab_mask
 from arborlm.runtime.batch import ForwardBatch, LogitsOutput
 from arborlm.runtime.detokenizer import RequestDecoder
 from arborlm.runtime.io_struct import ReqOutput
 from arborlm.runtime.sampling import Sampler, SamplingBatchInfo, compute_logprobs, make_generator
 from arborlm.runtime.schedule_batch import Req
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,6 +57,8 @@ class SchedulerOutputProcessor:
         self.device = device
         self.sampler = Sampler()
         self._stop_decoders: dict[str, RequestDecoder] = {}
+        # Per-step mask fill time per constrained request, seconds (the benchmark reads it).
+        self.mask_fill_seconds: deque[float] = deque(maxlen=4096)
 
     def sample(self, reqs: list[Req], logits: torch.Tensor) -> Sampled:
         """Pick one token per request. `logits`: (len(reqs), vocab) float32."""
@@ -59,6 +67,7 @@ class SchedulerOutputProcessor:
         for req in reqs:
             if req.generator is None:
                 req.generator = make_generator(req.seed, logits.device)
+        self.apply_grammar_masks(reqs, logits)
         params = [r.sampling_params for r in reqs]
         info = SamplingBatchInfo.from_params(
             params, [r.seed for r in reqs], self.vocab_size, logits.device, [r.generator for r in reqs]
@@ -86,33 +95,68 @@ class SchedulerOutputProcessor:
             infos.append(LogprobInfo(float(out.logprobs[i]), token_ids[i], top))
         return Sampled(token_ids, infos)
 
-    def _eos_ids(self, req: Req) -> list[int]:
-        return [] if req.sampling_params.ignore_eos else self.eos_token_ids
+    def apply_grammar_masks(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        """Mask, in place, every token the grammar of each constrained request forbids.
 
-    def check_finished(self, req: Req) -> None:
-        """Set `req.finish_reason` when its last token ends it (SGLang's order of checks)."""
+        logits: (len(reqs), V) float32. One (len(reqs), ceil(V / 32)) int32
+        bitmask is filled row by row, then applied in one call.
+        """
+        rows = [i for i, req in enumerate(reqs) if req.grammar is not None]
+        if not rows:
+            return
+        start = time.perf_counter()
+        mask = allocate_vocab_mask(len(reqs), logits.shape[-1])
+        for i in rows:
+            reqs[i].grammar.fill_vocab_mask(mask, i)
+        self.mask_fill_seconds.append((time.perf_counter() - start) / len(rows))
+        apply_vocab_mask(logits, mask, rows)
+
+    def _eos_ids(self, req: Req) -> list[int]:
+        # A grammar decides itself when EOS may come; min_new_tokens must not mask the only legal token.
+        return [] if req.sampling_params.ignore_eos or req.grammar is not None else self.eos_token_ids
+
+    def check_finished(self, req: Req, num_new_tokens: int = 1) -> None:
+        """Set `req.finish_reason` when its last tokens end it (SGLang's order of checks).
+
+        num_new_tokens: tokens appended since the last check; more than one
+        only for tokens a grammar forced (jump-forward), which are never stop tokens.
+        """
         params = req.sampling_params
+        last = req.output_ids[-1]
         if req.to_abort:
             req.finish_reason = {"type": "abort", "message": "aborted by request"}
         elif len(req.output_ids) >= params.max_new_tokens:
             req.finish_reason = {"type": "length", "length": params.max_new_tokens}
         elif req.seqlen >= self.context_length:
             req.finish_reason = {"type": "length", "length": len(req.output_ids)}
-        elif len(req.output_ids) >= params.min_new_tokens and self._is_stop_token(req, req.output_ids[-1]):
-            req.finish_reason = {"type": "stop", "matched": req.output_ids[-1]}
+        elif num_new_tokens == 1 and len(req.output_ids) >= params.min_new_tokens and self._is_stop_token(req, last):
+            req.finish_reason = {"type": "stop", "matched": last}
+        elif num_new_tokens == 1 and req.grammar is not None and req.grammar.is_terminated():
+            req.finish_reason = {"type": "stop", "matched": last}
         else:
-            matched = self._matched_stop_string(req)
+            matched = self._matched_stop_string(req, num_new_tokens)
             if matched is not None:
                 req.finish_reason = {"type": "stop", "matched": matched}
         if req.finished:
             self._stop_decoders.pop(req.rid, None)
+
+    def accept_grammar_token(self, req: Req, token_id: int) -> None:
+        """Advance a constrained request's matcher by its sampled token.
+
+        The mask allowed only grammatical tokens, so a rejection is a bug in a
+        backend; the request then aborts rather than return ungrammatical text.
+        """
+        if req.grammar is None or req.grammar.accept_token(token_id):
+            return
+        logger.error("request %s: grammar rejected sampled token %d", req.rid, token_id)
+        req.finish_reason = {"type": "abort", "message": f"internal error: the grammar rejected token {token_id}"}
 
     def _is_stop_token(self, req: Req, token_id: int) -> bool:
         if token_id in (req.sampling_params.stop_token_ids or ()):
             return True
         return not req.sampling_params.ignore_eos and token_id in self.eos_token_ids
 
-    def _matched_stop_string(self, req: Req) -> str | None:
+    def _matched_stop_string(self, req: Req, num_new_tokens: int = 1) -> str | None:
         stops = req.sampling_params.stop
         if not stops:
             return None
@@ -121,13 +165,14 @@ class SchedulerOutputProcessor:
             # A retracted request replays its output so the decoder sees the same text.
             decoder = RequestDecoder(self.tokenizer, list(stops), req.origin_input_ids)
             self._stop_decoders[req.rid] = decoder
-            decoder.step(req.output_ids[:-1])
-        check = decoder.step(req.output_ids[-1:])
+            decoder.step(req.output_ids[:-num_new_tokens])
+        check = decoder.step(req.output_ids[-num_new_tokens:])
         return check.matched
 
     def forget(self, req: Req) -> None:
-        """Drop per-request state of a request that leaves the scheduler."""
+        """Drop per-request state of a request that leaves the scheduler (stop decoder, matcher)."""
         self._stop_decoders.pop(req.rid, None)
+        req.grammar = None
 
     def collect_prompt_logprobs(self, reqs: list[Req], logits_output: LogitsOutput, forward_batch: ForwardBatch) -> None:
         """Accumulate prompt-token logprobs of requests that asked (`logprob_start_len` >= 0).
@@ -172,8 +217,10 @@ class SchedulerOutputProcessor:
             cached_tokens=req.cached_tokens,
         )
         if logprob_info is not None:
-            out.output_token_logprobs = [(logprob_info.logprob, logprob_info.token_id)]
-            out.output_top_logprobs = [logprob_info.top]
+            # Tokens after the sampled one were forced by the grammar: probability 1 under the mask.
+            forced = new_token_ids[1:]
+            out.output_token_logprobs = [(logprob_info.logprob, logprob_info.token_id)] + [(0.0, t) for t in forced]
+            out.output_top_logprobs = [logprob_info.top] + [[(0.0, t)] for t in forced]
         if req.return_logprob and not req.input_logprobs_sent and (new_token_ids or req.finished):
             out.input_token_logprobs = req.input_token_logprobs if req.logprob_start_len >= 0 else []
             out.input_top_logprobs = req.input_top_logprobs if req.logprob_start_len >= 0 else []

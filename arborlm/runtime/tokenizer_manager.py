@@ -19,6 +19,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from arborlm.constrained.grammar_spec import GrammarSpec, grammar_spec_from_params
 from arborlm.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
 from arborlm.runtime.config import ServerArgs
 from arborlm.runtime.detokenizer import RequestDecoder
@@ -73,6 +74,7 @@ class ReqState:
     output_top_logprobs: list = field(default_factory=list)
     input_token_logprobs: list | None = None
     input_top_logprobs: list | None = None
+    grammar: GrammarSpec | None = None
 
 
 class TokenizerManager:
@@ -100,6 +102,7 @@ class TokenizerManager:
         self._info_future: asyncio.Future | None = None
         self._seed_counter = server_args.scheduler.random_seed
         self.dead_reason: str | None = None
+        self.stats = {"num_grammar_violations": 0}
         self._loop_task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -139,6 +142,7 @@ class TokenizerManager:
                 param=prompt_param,
             )
         params = self._sampling_params(obj.sampling_params)
+        grammar = grammar_spec_from_params(params, self.server_args.grammar.grammar_backend)
         self._check_logprob_fields(obj)
         rid = obj.rid or uuid.uuid4().hex
         if not isinstance(rid, str):
@@ -154,6 +158,7 @@ class TokenizerManager:
             logprob_start_len=obj.logprob_start_len,
             top_logprobs_num=obj.top_logprobs_num,
             stream=obj.stream,
+            grammar=grammar,
         )
 
     def _sampling_params(self, params: Any) -> SamplingParams:
@@ -226,6 +231,7 @@ class TokenizerManager:
             ),
             prompt_tokens=len(recv.input_ids),
             created_time=time.perf_counter(),
+            grammar=recv.grammar,
         )
         self.rid_to_state[recv.rid] = state
         self.send_sock.send_pyobj(recv)
@@ -234,6 +240,7 @@ class TokenizerManager:
                 out = await state.queue.get()
                 if isinstance(out, BaseException):
                     raise out
+                _raise_if_rejected(out)
                 delta = self._apply_output(state, out)
                 if recv.stream:
                     yield self._make_result(state, out, delta, out.new_token_ids)
@@ -258,6 +265,8 @@ class TokenizerManager:
             state.finished = True
             delta += state.decoder.finish()
         state.text += delta
+        if state.finished and state.grammar is not None:
+            self._check_grammar_output(state, out)
         state.output_token_logprobs.extend((lp, tid, None) for lp, tid in out.output_token_logprobs)
         state.output_top_logprobs.extend(
             [(lp, tid, None) for lp, tid in top] for top in out.output_top_logprobs
@@ -268,6 +277,24 @@ class TokenizerManager:
                 None if top is None else [(lp, tid, None) for lp, tid in top] for top in (out.input_top_logprobs or [])
             ]
         return delta
+
+    def _check_grammar_output(self, state: ReqState, out: ReqOutput) -> None:
+        """A constrained output that ended by the grammar must satisfy the user's schema.
+
+        A backend that under-constrains would otherwise return invalid JSON
+        marked "stop"; this turns it into an abort that says why, and counts it.
+        """
+        if out.finish_reason is None or out.finish_reason.get("type") != "stop":
+            return
+        problem = state.grammar.validate_output(state.text)
+        if problem is None:
+            return
+        self.stats["num_grammar_violations"] += 1
+        logger.warning("request %s: constrained output failed validation: %s", state.rid, problem)
+        out.finish_reason = {
+            "type": "abort",
+            "message": f"the output does not satisfy the requested {state.grammar.key.param}: {problem}",
+        }
 
     def _make_result(self, state: ReqState, out: ReqOutput, text: str, output_ids: list[int]) -> dict[str, Any]:
         now = time.perf_counter()
@@ -294,7 +321,7 @@ class TokenizerManager:
 
     async def get_info(self, check_invariants: bool = False) -> dict[str, Any]:
         """Live figures from the scheduler (optionally asserting pool invariants there)."""
-        return await self._ask(GetInfoReq(check_invariants=check_invariants))
+        return {**await self._ask(GetInfoReq(check_invariants=check_invariants)), **self.stats}
 
     async def flush_cache(self) -> bool:
         """Empty the radix cache; False when requests are in flight."""
@@ -341,3 +368,10 @@ class TokenizerManager:
             state.queue.put_nowait(RequestAbortedError("the engine is shutting down"))
         # destroy() closes every socket first, so term() cannot block (also not later, in __del__).
         self.context.destroy(linger=0)
+
+
+def _raise_if_rejected(out: ReqOutput) -> None:
+    """The scheduler refused the request (its grammar failed to compile): a 400-style error."""
+    reason = out.finish_reason
+    if reason and reason.get("type") == "abort" and reason.get("param") is not None:
+        raise InvalidRequestError(reason["message"], param=reason["param"])

@@ -1,0 +1,155 @@
+"""The interface every grammar backend implements.
+
+A request asks for at most one constraint, a `GrammarKey` (kind + text). A
+`GrammarBackend` compiles a key once into a `CompiledGrammar` (cached by the
+`GrammarManager` under (backend name, kind, text)); each request then gets its
+own `GrammarMatcher` from it. Per decode step the scheduler asks every
+constrained request's matcher to fill its row of one batch bitmask, applies the
+bitmask to the logits, samples, and hands the sampled token back with
+`accept_token`.
+
+Bitmask layout (xgrammar's, which outlines-core shares): int32 tensor of shape
+(batch, ceil(vocab_size / 32)); bit ``j % 32`` of word ``j // 32`` is 1 when
+token ``j`` is allowed.
+
+Design after SGLang's ``sglang/srt/constrained/base_grammar_backend.py``.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+from arborlm.errors import InvalidRequestError
+
+# The kinds a request can ask for. "json_object" is any JSON value (OpenAI's json mode).
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
+
+# `json_schema` spelling of "any JSON value", as SGLang accepts it.
+ANY_JSON = "$$ANY$$"
+
+
+class GrammarError(InvalidRequestError):
+    """A grammar that cannot be used: bad syntax, an unsupported kind or keyword, a compile timeout.
+
+    `param` names the sampling field (``json_schema``, ``regex``, ``ebnf``, ...).
+    """
+
+
+@dataclass(frozen=True)
+class GrammarKey:
+    """What a request is constrained by.
+
+    kind: one of `GRAMMAR_KINDS`.
+    text: the grammar source (a JSON schema serialised with sorted keys, a
+        regex, an EBNF/GBNF grammar, a structural-tag JSON); "" for json_object.
+    """
+
+    kind: str
+    text: str
+
+    @property
+    def param(self) -> str:
+        """The sampling field this key came from (for error messages)."""
+        return "json_schema" if self.kind == "json_object" else self.kind
+
+
+class GrammarMatcher(abc.ABC):
+    """Per-request matcher state over one compiled grammar.
+
+    Not thread-safe; lives in the scheduler thread.
+    """
+
+    @abc.abstractmethod
+    def fill_vocab_mask(self, vocab_mask: torch.Tensor, row: int) -> None:
+        """Write the allowed tokens of the current state into ``vocab_mask[row]``.
+
+        vocab_mask: (batch, ceil(vocab_size / 32)) int32 on the CPU.
+        """
+
+    @abc.abstractmethod
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one sampled token; False (state unchanged) when the grammar rejects it."""
+
+    @abc.abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens."""
+
+    @abc.abstractmethod
+    def is_terminated(self) -> bool:
+        """True when the grammar has ended (a stop token was accepted, or nothing can follow)."""
+
+    @abc.abstractmethod
+    def find_jump_forward_string(self) -> str:
+        """The text every continuation must start with from here ("" when none)."""
+
+
+class CompiledGrammar(abc.ABC):
+    """A grammar compiled against one tokenizer; cheap to make matchers from."""
+
+    @abc.abstractmethod
+    def new_matcher(self) -> GrammarMatcher:
+        """A matcher at the grammar's start state."""
+
+
+class GrammarBackend(abc.ABC):
+    """Compiles grammars for one tokenizer.
+
+    Parameters (of implementations): the Hugging Face tokenizer, the model's
+    vocab size (rows of the logits, which may exceed the tokenizer's) and the
+    model's EOS ids (the only tokens allowed once the grammar is complete).
+    """
+
+    name: str = ""
+    kinds: tuple[str, ...] = ()
+
+    @classmethod
+    def check(cls, key: GrammarKey) -> None:
+        """Parse ``key`` without the tokenizer (cheap; the front calls it before queueing).
+
+        Raises
+        ------
+        GrammarError
+            The kind is not supported by this backend, or the text does not parse.
+        """
+        if key.kind not in cls.kinds:
+            raise GrammarError(
+                f"the {cls.name} grammar backend does not support {key.kind}; "
+                f"it supports {', '.join(cls.kinds)}",
+                key.param,
+            )
+        cls._check_syntax(key)
+
+    @classmethod
+    @abc.abstractmethod
+    def _check_syntax(cls, key: GrammarKey) -> None:
+        """Raise `GrammarError` when the text does not parse."""
+
+    @abc.abstractmethod
+    def compile(self, key: GrammarKey) -> CompiledGrammar:
+        """Compile ``key`` (may take seconds; runs in the grammar worker thread).
+
+        Raises
+        ------
+        GrammarError
+            Unsupported kind or a grammar the backend rejects.
+        """
+
+
+def allocate_vocab_mask(batch_size: int, vocab_size: int) -> torch.Tensor:
+    """(batch_size, ceil(vocab_size / 32)) int32, all tokens allowed (-1 words)."""
+    return torch.full((batch_size, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+def apply_vocab_mask(logits: torch.Tensor, vocab_mask: torch.Tensor, rows: list[int] | None = None) -> None:
+    """Set disallowed logits to -inf in place.
+
+    logits: (B, V) float32 on any device; vocab_mask: (B, ceil(V / 32)) int32
+    (moved to the logits' device). ``rows``: only these rows of both (default all).
+    Uses xgrammar's ``apply_token_bitmask_inplace`` (CPU and CUDA kernels).
+    """
+    import xgrammar as xgr
+
+    xgr.apply_token_bitmask_inplace(logits, vocab_mask.to(logits.device, non_blocking=True), indices=rows)

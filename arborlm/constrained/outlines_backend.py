@@ -1,0 +1,582 @@
+"""The second grammar backend: outlines-core (regex and JSON schema).
+
+outlines-core turns a regex into a byte-level DFA and precomputes, for every
+DFA state, the tokens that keep the text inside the language (its `Index`).
+A JSON schema is first turned into a regex (`build_regex_from_schema`). The
+front calls `OutlinesBackend.check` before a request is queued; the grammar
+worker thread calls `compile`; the scheduler drives one `OutlinesMatcher` per
+constrained request.
+
+Three things are done here rather than by outlines-core (version 0.2.14):
+
+- The `Vocabulary` is built from the Hugging Face tokenizer in memory
+  (``Vocabulary.from_pretrained`` would download it): every token becomes the
+  bytes it stands for (GPT-2 byte-level tokens such as ``"Ġhello"`` →
+  ``b" hello"``; SentencePiece ``"▁"`` → ``b" "`` and ``"<0x0A>"`` → ``b"\\n"``).
+  Special tokens are left out; the model's EOS ids are allowed by the matcher
+  itself, in final states only.
+- The regex is compiled as ``(?:R)`` followed by an end mark (U+10FFFF, read by
+  a token of its own). outlines-core 0.2.14 drops every token that ends one
+  byte after a point where R already matched (its DFA reports matches one byte
+  late), and its leftmost-first DFA cuts alternatives once a shorter one
+  matched: ``\\d+(\\.\\d+)?`` could not write ``3.14`` token by token and
+  ``(a|ab)`` could not write ``ab``. With the end mark R never matches before
+  the text ends, so neither happens; a state is final when the end-mark token
+  leads from it to a full match. Tokens holding the byte 0xF4 (U+100000 to U+10FFFF, the
+  supplementary private-use plane) are left out so that no sampled text can
+  spell the mark.
+- Schemas that outlines-core would enforce only in part are refused with a
+  `GrammarError`: a recursive ``$ref`` (outlines unrolls it to a fixed depth),
+  and the keywords and keyword combinations it silently drops (see
+  `_check_schema`). arborlm never under-constrains without saying so.
+
+JSON whitespace is `JSON_WHITESPACE` (at most one space per gap), so that a weak
+model cannot stall in whitespace; xgrammar's ``", "`` / ``": "`` output fits it.
+
+After SGLang's ``sglang/srt/constrained/outlines_backend.py``; the API is
+outlines-core's (``Vocabulary``, ``Index``, ``Guide``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.parse
+from typing import Any
+
+import outlines_core
+import torch
+from outlines_core.json_schema import build_regex_from_schema
+
+from arborlm.constrained.base import (
+    ANY_JSON,
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarError,
+    GrammarKey,
+    GrammarMatcher,
+)
+
+# What JSON may put between its tokens (outlines-core's ``whitespace_pattern``).
+JSON_WHITESPACE = r"[ ]?"
+# Tokens a matcher can roll back (outlines-core's ``Guide`` keeps this many states).
+MAX_ROLLBACK_TOKENS = 1024
+# Longest forced text `find_jump_forward_string` looks for, in bytes.
+MAX_JUMP_FORWARD_BYTES = 4096
+
+# The end mark: a noncharacter no sampled token can spell (tokens with its lead byte are left out).
+_END_MARK = "\U0010ffff"
+_END_MARK_REGEX = r"\x{10FFFF}"
+_END_MARK_LEAD_BYTE = 0xF4
+
+# Keywords outlines-core 0.2.14 drops without an error: the output could break them.
+_IGNORED_KEYWORDS = frozenset({
+    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+    "uniqueItems", "contains", "minContains", "maxContains",
+    "minProperties", "maxProperties", "patternProperties", "propertyNames",
+    "dependentRequired", "dependentSchemas", "dependencies",
+    "not", "if", "then", "else", "unevaluatedProperties", "unevaluatedItems",
+})  # fmt: skip
+# Keywords whose value is one subschema, a list of them, or a name -> subschema map.
+_SUBSCHEMA_KEYWORDS = ("items", "additionalProperties", "additionalItems")
+_SUBSCHEMA_LIST_KEYWORDS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAP_KEYWORDS = ("properties",)
+_IDENTIFIER = re.compile(r"^[A-Za-z_$][A-Za-z0-9_$]*$")
+# ASCII meanings of the shorthand classes (ECMAScript's, as in JSON Schema and xgrammar);
+# Rust's regex, which outlines-core uses, makes them Unicode-wide. Rust allows nested classes.
+_ASCII_SHORTHANDS = {"d": "[0-9]", "D": "[^0-9]", "w": "[0-9A-Za-z_]", "W": "[^0-9A-Za-z_]"}
+
+
+class OutlinesMatcher(GrammarMatcher):
+    """One request's state over an `OutlinesGrammar`: an outlines-core ``Guide`` plus the EOS step.
+
+    The ``Guide`` holds the DFA state and the last `MAX_ROLLBACK_TOKENS` states
+    before it; an accepted EOS is tracked here (outlines-core cannot advance by EOS).
+    """
+
+    def __init__(self, grammar: OutlinesGrammar):
+        self._grammar = grammar
+        self._guide = outlines_core.Guide(grammar.index, max_rollback=MAX_ROLLBACK_TOKENS)
+        self._terminated = False  # an EOS was accepted
+
+    def fill_vocab_mask(self, vocab_mask: torch.Tensor, row: int) -> None:
+        """Write the allowed tokens of the current state into ``vocab_mask[row]``.
+
+        vocab_mask: (batch, ceil(vocab_size / 32)) int32, contiguous, on the CPU;
+        bit ``j % 32`` of word ``j // 32`` is set when token ``j`` is allowed.
+        EOS is allowed only in final states; ids the tokenizer lacks (up to the
+        model's vocab_size) never are. Once terminated only EOS is allowed.
+        """
+        grammar = self._grammar
+        assert vocab_mask.dtype == torch.int32 and vocab_mask.device.type == "cpu" and vocab_mask.is_contiguous()
+        assert vocab_mask.shape[1] == grammar.mask_words, (vocab_mask.shape, grammar.mask_words)
+        mask_row = vocab_mask[row]
+        if self._terminated:
+            mask_row.zero_()
+            _set_bits(mask_row, grammar.eos_token_ids, True)
+            return
+        # Zeroes the whole row, then sets the bit of every token with a transition (end mark included).
+        self._guide.write_mask_into(mask_row.data_ptr(), mask_row.numel(), mask_row.element_size())
+        _set_bits(mask_row, (grammar.end_mark_id,), False)
+        _set_bits(mask_row, grammar.eos_token_ids, grammar.is_final(self._guide.get_state()))
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by ``token_id``; False (state unchanged) when the grammar rejects it or has terminated."""
+        grammar = self._grammar
+        if self._terminated or not 0 <= token_id < grammar.vocab_size or token_id == grammar.end_mark_id:
+            return False
+        state = self._guide.get_state()
+        if token_id in grammar.eos_token_ids:
+            self._terminated = grammar.is_final(state)
+            return self._terminated
+        if grammar.index.get_next_state(state, token_id) is None:
+            return False
+        self._guide.advance(token_id, return_tokens=False)
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (an accepted EOS included).
+
+        Raises
+        ------
+        RuntimeError
+            More tokens than were accepted, or more than `MAX_ROLLBACK_TOKENS` (a caller bug).
+        """
+        if num_tokens > 0 and self._terminated:
+            self._terminated = False
+            num_tokens -= 1
+        if num_tokens > self._guide.get_allowed_rollback():
+            raise RuntimeError(
+                f"cannot roll back {num_tokens} tokens: {self._guide.get_allowed_rollback()} are kept "
+                f"(at most {MAX_ROLLBACK_TOKENS})"
+            )
+        if num_tokens > 0:
+            self._guide.rollback_state(num_tokens)
+
+    def is_terminated(self) -> bool:
+        """True after an accepted EOS, or in a final state from which no token leads on."""
+        return self._terminated or self._grammar.is_dead_end(self._guide.get_state())
+
+    def find_jump_forward_string(self) -> str:
+        """The text every continuation must start with ("" when none or terminated).
+
+        Follows `OutlinesGrammar.forced_step` from the current state without
+        moving the matcher; a UTF-8 character cut at the end is left out.
+        """
+        if self._terminated:
+            return ""
+        grammar, state, forced = self._grammar, self._guide.get_state(), bytearray()
+        while len(forced) < MAX_JUMP_FORWARD_BYTES:
+            step = grammar.forced_step(state)
+            if step is None:
+                break
+            piece, state = step
+            forced += piece
+        return _decode_complete_utf8(bytes(forced))
+
+
+class OutlinesGrammar(CompiledGrammar):
+    """An outlines-core ``Index`` for one regex and vocabulary, with per-state caches.
+
+    The caches are filled by the matchers, all in the scheduler thread.
+    """
+
+    def __init__(self, index: outlines_core.Index, backend: OutlinesBackend):
+        self.index = index
+        self.vocab_size = backend.vocab_size
+        self.mask_words = (backend.vocab_size + 31) // 32
+        self.eos_token_ids = backend.eos_token_ids
+        self.end_mark_id = backend.end_mark_id
+        self._token_bytes = backend.token_bytes
+        self._token_ids_by_bytes = backend.token_ids_by_bytes
+        self._dead_ends: dict[int, bool] = {}
+        self._forced_steps: dict[int, tuple[bytes, int] | None] = {}
+
+    def new_matcher(self) -> OutlinesMatcher:
+        return OutlinesMatcher(self)
+
+    def is_final(self, state: int) -> bool:
+        """True when the text so far is in the language: the end mark leads to a full match.
+
+        (R itself may read the end mark, as ``.`` does, so a transition alone is not enough.)
+        """
+        after_mark = self.index.get_next_state(state, self.end_mark_id)
+        return after_mark is not None and self.index.is_final_state(after_mark)
+
+    def is_dead_end(self, state: int) -> bool:
+        """True in a final state where no token but EOS is allowed."""
+        if state not in self._dead_ends:
+            allowed = self.index.get_allowed_tokens(state) or ()
+            self._dead_ends[state] = self.is_final(state) and all(t == self.end_mark_id for t in allowed)
+        return self._dead_ends[state]
+
+    def forced_step(self, state: int) -> tuple[bytes, int] | None:
+        """(bytes every continuation starts with, the state after them), or None.
+
+        The bytes are the longest common prefix of the allowed tokens of a
+        non-final ``state``; the step needs a token spelling exactly them. With
+        all 256 single-byte tokens (byte-level BPE, byte fallback) this walks
+        the forced text one byte at a time.
+        """
+        if state in self._forced_steps:
+            return self._forced_steps[state]
+        step = None
+        if not self.is_final(state):
+            prefix = _common_prefix(self._token_bytes[t] for t in self.index.get_allowed_tokens(state) or ())
+            for token_id in self._token_ids_by_bytes.get(prefix, ()) if prefix else ():
+                next_state = self.index.get_next_state(state, token_id)
+                if next_state is not None:
+                    step = (prefix, next_state)
+                    break
+        self._forced_steps[state] = step
+        return step
+
+
+class OutlinesBackend(GrammarBackend):
+    """Compiles regexes and JSON schemas with outlines-core for one Hugging Face tokenizer.
+
+    Parameters
+    ----------
+    tokenizer:
+        The Hugging Face tokenizer (fast tokenizers are read exactly; others
+        through ``convert_ids_to_tokens`` as raw text).
+    vocab_size:
+        Rows of the model's logits (may exceed ``len(tokenizer)``; the extra
+        ids are never allowed).
+    eos_token_ids:
+        The only tokens allowed once the grammar is complete (at least one).
+
+    Raises
+    ------
+    ValueError
+        No EOS id, or no token id is free for the end mark.
+    """
+
+    name = "outlines"
+    kinds = ("regex", "json_schema")
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
+        if not eos_token_ids:
+            raise ValueError("the outlines grammar backend needs at least one EOS token id")
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        # token_bytes[id]: the bytes a grammar token stands for; None for left-out ids.
+        self.token_bytes: list[bytes | None] = [None] * vocab_size
+        self.token_ids_by_bytes: dict[bytes, list[int]] = {}
+        for token_id, text in enumerate(_token_bytes(tokenizer, vocab_size)):
+            if text and token_id not in self.eos_token_ids and _END_MARK_LEAD_BYTE not in text:
+                self.token_bytes[token_id] = text
+                self.token_ids_by_bytes.setdefault(text, []).append(token_id)
+        free_ids = [i for i, text in enumerate(self.token_bytes) if text is None and i not in self.eos_token_ids]
+        if not free_ids:
+            raise ValueError("the outlines grammar backend needs one token id outside the grammar for its end mark")
+        self.end_mark_id = free_ids[0]
+        token_map = dict(self.token_ids_by_bytes)
+        token_map[_END_MARK.encode()] = [self.end_mark_id]
+        self.vocabulary = outlines_core.Vocabulary(min(eos_token_ids), token_map)
+
+    @classmethod
+    def _check_syntax(cls, key: GrammarKey) -> None:
+        """Derive the regex and build its DFA over single bytes (milliseconds; no tokenizer).
+
+        Raises
+        ------
+        GrammarError
+            Bad regex, invalid or unsupported schema, a recursive ``$ref``, a
+            keyword outlines-core would drop; ``param`` = ``key.param``.
+        """
+        _build_index(key, _regex_of(key), _byte_vocabulary())
+
+    def compile(self, key: GrammarKey) -> OutlinesGrammar:
+        """Build the ``Index`` of ``key`` over the tokenizer's vocabulary (tens of ms to seconds).
+
+        Raises
+        ------
+        GrammarError
+            As `check`, and when the vocabulary cannot spell any text of the language.
+        """
+        if key.kind not in self.kinds:
+            self.check(key)  # raises the unsupported-kind error
+        return OutlinesGrammar(_build_index(key, _regex_of(key), self.vocabulary), self)
+
+
+def _regex_of(key: GrammarKey) -> str:
+    """The regex ``key`` stands for (a full match; ``^``/``$`` around a regex are dropped).
+
+    Raises
+    ------
+    GrammarError
+        The schema is not JSON, is refused by `_check_schema`, or outlines-core cannot convert it.
+    """
+    if key.kind == "regex":
+        return re.sub(r"(?<!\\)((?:\\\\)*)\$\Z", r"\1", key.text.removeprefix("^"))
+    text = "{}" if key.text == ANY_JSON else key.text
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise GrammarError(f"json_schema is not valid JSON: {e}", key.param) from e
+    if not isinstance(schema, dict):
+        raise GrammarError("the outlines grammar backend needs a JSON schema that is an object", key.param)
+    _check_schema(schema)
+    try:
+        return build_regex_from_schema(text, whitespace_pattern=JSON_WHITESPACE)
+    except (ValueError, TypeError) as e:
+        raise GrammarError(f"outlines-core cannot enforce this JSON schema: {_first_line(e)}", key.param) from e
+
+
+def _build_index(key: GrammarKey, regex: str, vocabulary: outlines_core.Vocabulary) -> outlines_core.Index:
+    """outlines-core's ``Index`` of ``(?:regex)`` + the end mark over ``vocabulary``.
+
+    Raises
+    ------
+    GrammarError
+        The regex does not parse, uses a feature a DFA cannot have (look-around,
+        backreferences, Unicode word boundaries, anchors inside), or matches nothing.
+    """
+    try:
+        return outlines_core.Index(f"(?:{_ascii_shorthands(regex)}){_END_MARK_REGEX}", vocabulary)
+    except (ValueError, TypeError) as e:
+        what = "regex" if key.kind == "regex" else "regex of the JSON schema"
+        raise GrammarError(
+            f"outlines-core cannot use this {what} (Rust regex syntax without look-around, backreferences "
+            f"or anchors inside, matching at least one text): {_first_line(e)}",
+            key.param,
+        ) from e
+
+
+def _ascii_shorthands(regex: str) -> str:
+    """``regex`` with ``\\d``, ``\\D``, ``\\w`` and ``\\W`` spelled as ASCII classes (`_ASCII_SHORTHANDS`)."""
+    parts, i = [], 0
+    while i < len(regex):
+        if regex[i] == "\\" and i + 1 < len(regex):
+            escape = regex[i : i + 2]
+            parts.append(_ASCII_SHORTHANDS.get(escape[1], escape))
+            i += 2
+        else:
+            parts.append(regex[i])
+            i += 1
+    return "".join(parts)
+
+
+_BYTE_VOCABULARY: list[outlines_core.Vocabulary] = []
+
+
+def _byte_vocabulary() -> outlines_core.Vocabulary:
+    """A vocabulary of the 256 single bytes plus the end mark (for `_check_syntax`)."""
+    if not _BYTE_VOCABULARY:
+        token_map = {bytes([b]): [b] for b in range(256) if b != _END_MARK_LEAD_BYTE}
+        token_map[_END_MARK.encode()] = [256]
+        _BYTE_VOCABULARY.append(outlines_core.Vocabulary(257, token_map))
+    return _BYTE_VOCABULARY[0]
+
+
+def _check_schema(schema: dict) -> None:
+    """Refuse what outlines-core would enforce only in part.
+
+    A recursive ``$ref`` (outlines unrolls it to a fixed depth); a keyword of
+    `_IGNORED_KEYWORDS`; ``allOf`` with more than one subschema (outlines
+    concatenates them); a string with more than one of pattern / format /
+    length (outlines keeps one); ``required`` names missing from
+    ``properties``; ``prefixItems`` with ``minItems``/``maxItems``. Local
+    ``$ref``s (``#``, ``#/json/pointer``, the root ``$id`` + pointer) are
+    followed; others are left to outlines-core, which rejects them.
+
+    Raises
+    ------
+    GrammarError
+        Naming the keyword or ``$ref`` and its JSON path, ``param`` = ``"json_schema"``.
+    """
+    _SchemaChecker(schema).visit(schema, "$", ("",))
+
+
+class _SchemaChecker:
+    """Depth-first walk of a schema and the ``$ref`` targets it reaches (`_check_schema`)."""
+
+    def __init__(self, root: dict):
+        self.root = root
+        self.root_id = root.get("$id") if isinstance(root.get("$id"), str) else None
+        self.checked: set[str] = {""}  # JSON pointers already walked without finding recursion
+
+    def visit(self, node: Any, path: str, ref_stack: tuple[str, ...]) -> None:
+        if not isinstance(node, dict):
+            return
+        self._check_keywords(node, path)
+        ref = node.get("$ref")
+        pointer = self._pointer(ref) if isinstance(ref, str) else None
+        if pointer is not None:
+            if pointer in ref_stack:
+                raise GrammarError(
+                    f'recursive $ref "{ref}" at {path}.$ref: outlines-core unrolls recursion to a fixed depth, '
+                    "so the schema cannot be enforced; use the xgrammar backend",
+                    "json_schema",
+                )
+            if pointer not in self.checked:
+                self.visit(self._resolve(pointer), _pointer_path(pointer), (*ref_stack, pointer))
+                self.checked.add(pointer)
+        for keyword, value in node.items():
+            if keyword in _SUBSCHEMA_KEYWORDS:
+                self.visit(value, _child_path(path, keyword), ref_stack)
+            elif keyword in _SUBSCHEMA_LIST_KEYWORDS and isinstance(value, list):
+                for i, item in enumerate(value):
+                    self.visit(item, f"{_child_path(path, keyword)}[{i}]", ref_stack)
+            elif keyword in _SUBSCHEMA_MAP_KEYWORDS and isinstance(value, dict):
+                for name, item in value.items():
+                    self.visit(item, _child_path(_child_path(path, keyword), name), ref_stack)
+
+    @staticmethod
+    def _check_keywords(node: dict, path: str) -> None:
+        problem = None
+        ignored = sorted(_IGNORED_KEYWORDS & node.keys())
+        string_rules = [k for k in ("pattern", "format") if k in node] + (
+            ["minLength/maxLength"] if "minLength" in node or "maxLength" in node else []
+        )
+        required = node.get("required")
+        properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+        missing = [name for name in required if name not in properties] if isinstance(required, list) else []
+        if ignored:
+            problem = f'outlines-core ignores "{ignored[0]}"'
+        elif isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            problem = "outlines-core cannot combine the subschemas of allOf"
+        elif len(string_rules) > 1:
+            problem = f"outlines-core applies only one of {' + '.join(string_rules)}"
+        elif missing:
+            problem = f'required property "{missing[0]}" is not in properties, which outlines-core would drop'
+        elif "prefixItems" in node and ("minItems" in node or "maxItems" in node):
+            problem = "outlines-core ignores minItems/maxItems beside prefixItems"
+        if problem:
+            raise GrammarError(
+                f"{problem} (at {path}), so the output could break the schema; "
+                "use the xgrammar backend or drop the keyword",
+                "json_schema",
+            )
+
+    def _pointer(self, ref: str) -> str | None:
+        """The JSON pointer of a local ``$ref`` ("" for the root), None for others."""
+        base, sep, fragment = ref.partition("#")
+        if not sep or (base and base != self.root_id) or (fragment and not fragment.startswith("/")):
+            return None
+        return urllib.parse.unquote(fragment)
+
+    def _resolve(self, pointer: str) -> Any:
+        node: Any = self.root
+        for part in pointer.split("/")[1:]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None  # a dangling $ref: outlines-core reports it
+        return node
+
+
+def _pointer_path(pointer: str) -> str:
+    path = "$"
+    for part in pointer.split("/")[1:]:
+        path = _child_path(path, part.replace("~1", "/").replace("~0", "~"))
+    return path
+
+
+def _child_path(path: str, key: str) -> str:
+    """``path.key``, or ``path["key"]`` when the key is not an identifier."""
+    return f"{path}.{key}" if _IDENTIFIER.match(key) else f"{path}[{json.dumps(key)}]"
+
+
+def _token_bytes(tokenizer, vocab_size: int) -> list[bytes | None]:
+    """The bytes each token id < ``vocab_size`` stands for; None for special and unknown ids.
+
+    Byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM2) maps each byte to a printable
+    character (`_byte_level_decoder`); SentencePiece writes a space as ``"▁"``
+    and a raw byte as ``"<0xAB>"``; added non-special tokens are their text.
+    """
+    special = set(tokenizer.all_special_ids)
+    added = {}
+    for token_id, token in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if token.special:
+            special.add(token_id)
+        else:
+            added[token_id] = token.content.encode()
+    decode = _token_decoder(tokenizer)
+    table: list[bytes | None] = [None] * vocab_size
+    for token, token_id in tokenizer.get_vocab().items():
+        if token_id < vocab_size and token_id not in special:
+            table[token_id] = added[token_id] if token_id in added else decode(token)
+    return table
+
+
+def _token_decoder(tokenizer):
+    """token string -> bytes for the tokenizer's kind (from its ``tokenizer.json`` decoder)."""
+    decoder: dict = {}
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        decoder = json.loads(backend.to_str()).get("decoder") or {}
+    kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders") or ()}
+    if "ByteLevel" in kinds:
+        table = _byte_level_decoder()
+        return lambda token: bytes(table[c] for c in token) if all(c in table for c in token) else token.encode()
+    if kinds & {"ByteFallback", "Metaspace", "Replace"}:
+        byte_token = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+        def sentencepiece(token: str) -> bytes:
+            match = byte_token.match(token)
+            return bytes([int(match.group(1), 16)]) if match else token.replace("\u2581", " ").encode()
+
+        return sentencepiece
+    return lambda token: token.encode()
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's printable character -> byte table (``bytes_to_unicode`` inverted).
+
+    Printable Latin-1 bytes stand for themselves; the other 68 bytes are
+    shifted to U+0100 upwards in byte order (space → "Ġ", newline → "Ċ").
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    shifted = [b for b in range(256) if b not in table.values()]
+    table.update({chr(256 + i): b for i, b in enumerate(shifted)})
+    return table
+
+
+def _set_bits(mask_row: torch.Tensor, token_ids, allowed: bool) -> None:
+    """Set (``allowed``) or clear the bits of ``token_ids`` in one int32 mask row."""
+    for token_id in token_ids:
+        if token_id >= mask_row.numel() * 32:
+            continue
+        word, bit = int(mask_row[token_id // 32]), 1 << (token_id % 32)
+        word = (word | bit) if allowed else (word & ~bit)
+        word &= 0xFFFFFFFF
+        mask_row[token_id // 32] = word - (1 << 32) if word >= 1 << 31 else word
+
+
+def _common_prefix(texts) -> bytes:
+    prefix = None
+    for text in texts:
+        if text is None:
+            continue
+        if prefix is None:
+            prefix = text
+            continue
+        n = 0
+        for a, b in zip(prefix, text):
+            if a != b:
+                break
+            n += 1
+        prefix = prefix[:n]
+        if not prefix:
+            break
+    return prefix or b""
+
+
+def _decode_complete_utf8(data: bytes) -> str:
+    """``data`` as text, leaving out a UTF-8 character cut at the end."""
+    for cut in range(4):
+        try:
+            return data[: len(data) - cut].decode()
+        except UnicodeDecodeError:
+            continue
+    return data.decode(errors="replace")
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -1,0 +1,304 @@
+"""The default grammar backend: xgrammar (JSON schema, any JSON, regex, EBNF, structural tags).
+
+The front calls `XGrammarBackend.check` (a parse without the tokenizer) before a
+request is queued; the grammar worker thread calls `compile`; the scheduler
+drives one `XGrammarMatcher` per constrained request (fill its bitmask row,
+accept the sampled token, jump forward).
+
+JSON is generated with fixed separators (``", "`` and ``": "``, one line, as
+``json.dumps`` writes it) so that a weak model cannot stall in free whitespace;
+JSON inside structural tags gets at most `TAG_MAX_WHITESPACE` whitespace
+characters per gap unless the tag says otherwise.
+
+After SGLang's ``sglang/srt/constrained/xgrammar_backend.py``; the API is
+xgrammar's (``xgr.Grammar``, ``xgr.GrammarCompiler``, ``xgr.GrammarMatcher``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from arborlm.constrained.base import (
+    ANY_JSON,
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarError,
+    GrammarKey,
+    GrammarMatcher,
+)
+
+# The whitespace JSON may put between its tokens: json.dumps's default, on one line.
+JSON_SEPARATORS = (", ", ": ")
+# Longest run of whitespace allowed inside a structural tag's JSON (xgrammar's
+# ``max_whitespace_cnt``) when the tag does not set one; unbounded by default there.
+TAG_MAX_WHITESPACE = 4
+
+_KIND_LABELS = {
+    "json_schema": "JSON schema",
+    "json_object": "JSON grammar",
+    "regex": "regex",
+    "ebnf": "EBNF grammar",
+    "structural_tag": "structural tag",
+}
+# xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: " and sometimes
+# "Check failed: (cond) is false: " or "Invalid structural tag error: ", and a JSON
+# error ends by repeating the whole input; none of it helps a user.
+_LOG_PREFIX = re.compile(
+    r"^(?:\[\d\d:\d\d:\d\d\] \S+?:\d+: )?(?:Check failed: \(.*?\) is false: )?"
+    r"(?:Invalid (?:structural tag|JSON) error: )?"
+)
+_INPUT_ECHO = re.compile(r"\s*The JSON string is:.*", re.DOTALL)
+MAX_ERROR_CHARS = 500
+
+
+class XGrammarMatcher(GrammarMatcher):
+    """One request's state over an xgrammar `CompiledGrammar`.
+
+    Rollback is unbounded: xgrammar 0.2.9 deprecated ``max_rollback_tokens``
+    (its Earley parser keeps the whole history), so none is passed.
+    """
+
+    def __init__(self, matcher: xgr.GrammarMatcher):
+        self._matcher = matcher
+
+    def fill_vocab_mask(self, vocab_mask: torch.Tensor, row: int) -> None:
+        """Write the allowed tokens into ``vocab_mask[row]``.
+
+        vocab_mask: (batch, ceil(vocab_size / 32)) int32 on the CPU. Once the
+        grammar has terminated only the stop tokens are allowed, so a caller
+        that asks one step too late samples a stop token instead of NaNs.
+        """
+        if self._matcher.is_terminated():
+            _allow_only(vocab_mask[row], self._matcher.stop_token_ids)
+            return
+        self._matcher.fill_next_token_bitmask(vocab_mask, row)
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by ``token_id``; False (state unchanged) when rejected or already terminated."""
+        if self._matcher.is_terminated():
+            return False  # xgrammar would log a warning for every such call
+        return self._matcher.accept_token(token_id)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (stop token included).
+
+        Raises
+        ------
+        RuntimeError
+            ``num_tokens`` exceeds the number of accepted tokens (a caller bug).
+        """
+        if num_tokens > 0:
+            self._matcher.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+    def find_jump_forward_string(self) -> str:
+        """The text every continuation must start with ("" when none or terminated)."""
+        if self._matcher.is_terminated():
+            return ""
+        return self._matcher.find_jump_forward_string()
+
+
+class XGrammarCompiledGrammar(CompiledGrammar):
+    """An ``xgr.CompiledGrammar`` (token masks precomputed for one tokenizer)."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar):
+        self.compiled = compiled
+
+    def new_matcher(self) -> XGrammarMatcher:
+        return XGrammarMatcher(xgr.GrammarMatcher(self.compiled))
+
+    @property
+    def memory_size_bytes(self) -> int:
+        return self.compiled.memory_size_bytes
+
+
+class XGrammarBackend(GrammarBackend):
+    """Compiles grammars with xgrammar for one Hugging Face tokenizer.
+
+    Parameters
+    ----------
+    tokenizer:
+        The Hugging Face tokenizer the model was trained with.
+    vocab_size:
+        Rows of the model's logits (may exceed ``len(tokenizer)``; the extra
+        ids are never allowed).
+    eos_token_ids:
+        The only tokens allowed once a grammar is complete.
+    max_threads:
+        Threads xgrammar uses inside one compile (token-mask precomputation).
+    """
+
+    name = "xgrammar"
+    kinds = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], *, max_threads: int | None = None):
+        self.vocab_size = vocab_size
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)
+        )
+        # GrammarManager caches compiled grammars (bounded); xgrammar's own cache
+        # would be a second, unbounded one.
+        self.compiler = xgr.GrammarCompiler(
+            self.tokenizer_info, max_threads=max_threads or min(8, os.cpu_count() or 1), cache_enabled=False
+        )
+
+    @classmethod
+    def _check_syntax(cls, key: GrammarKey) -> None:
+        """Parse ``key`` into an ``xgr.Grammar`` (sub-millisecond for typical grammars).
+
+        Raises
+        ------
+        GrammarError
+            The text does not parse, with xgrammar's reason, ``param`` = ``key.param``.
+        """
+        build_grammar(key)
+
+    def compile(self, key: GrammarKey) -> XGrammarCompiledGrammar:
+        """Compile ``key`` against the tokenizer (milliseconds to seconds).
+
+        Raises
+        ------
+        GrammarError
+            Unsupported kind, a grammar xgrammar rejects, or a failure while compiling.
+        """
+        if key.kind not in self.kinds:
+            self.check(key)  # raises the unsupported-kind error
+        grammar = build_grammar(key)
+        try:
+            return XGrammarCompiledGrammar(self.compiler.compile_grammar(grammar))
+        except Exception as e:
+            raise _grammar_error(key, e) from e
+
+
+def build_grammar(key: GrammarKey) -> xgr.Grammar:
+    """The ``xgr.Grammar`` of ``key``, without a tokenizer.
+
+    json_schema: ``Grammar.from_json_schema`` with fixed separators and
+    ``strict_mode=True`` (no properties or items beyond the schema's);
+    ``"$$ANY$$"`` is any JSON value. json_object: any JSON value (not
+    ``builtin_json_grammar``, which allows only an object or array and
+    unbounded whitespace). regex: ``Grammar.from_regex``. ebnf:
+    ``Grammar.from_ebnf`` with root rule ``root``. structural_tag: see
+    `structural_tag_json`.
+
+    Raises
+    ------
+    GrammarError
+        Unknown kind or text xgrammar cannot parse; ``param`` = ``key.param``.
+    """
+    try:
+        if key.kind == "json_object" or (key.kind == "json_schema" and key.text == ANY_JSON):
+            return _json_grammar("true")
+        if key.kind == "json_schema":
+            return _json_grammar(key.text)
+        if key.kind == "regex":
+            return xgr.Grammar.from_regex(key.text)
+        if key.kind == "ebnf":
+            return xgr.Grammar.from_ebnf(key.text, root_rule_name="root")
+        if key.kind == "structural_tag":
+            return xgr.Grammar.from_structural_tag(structural_tag_json(key.text))
+    except GrammarError:
+        raise
+    except Exception as e:
+        raise _grammar_error(key, e) from e
+    raise GrammarError(f"unknown grammar kind {key.kind!r}", key.param)
+
+
+def structural_tag_json(text: str) -> str:
+    """Normalise a structural tag to the JSON ``xgr.Grammar.from_structural_tag`` reads.
+
+    Accepted forms:
+
+    - xgrammar's: ``{"type": "structural_tag", "format": {...}}`` where the
+      format is one of xgrammar's (``triggered_tags``, ``tag``, ``sequence``,
+      ``json_schema``, ``regex``, ``const_string``, ...);
+    - a bare format (``{"type": "triggered_tags", ...}``), wrapped as above;
+    - SGLang's / OpenAI-style legacy form ``{"structures": [{"begin", "schema",
+      "end"}, ...], "triggers": [...]}``, turned into ``triggered_tags``.
+
+    Every ``json_schema`` format (JSON style) without ``max_whitespace_cnt``
+    gets `TAG_MAX_WHITESPACE`.
+
+    Raises
+    ------
+    GrammarError
+        Not JSON, not an object, or a malformed legacy form (``param`` =
+        ``"structural_tag"``). Errors inside the format are xgrammar's to find.
+    """
+    try:
+        tag = json.loads(text)
+    except ValueError as e:
+        raise GrammarError(f"structural_tag is not valid JSON: {e}", "structural_tag") from e
+    if not isinstance(tag, dict):
+        raise GrammarError("structural_tag must be a JSON object", "structural_tag")
+    if "structures" in tag:
+        tag = _from_legacy_structural_tag(tag)
+    elif tag.get("type") != "structural_tag":
+        tag = {"type": "structural_tag", "format": tag}
+    _bound_json_whitespace(tag)
+    return json.dumps(tag)
+
+
+def _json_grammar(schema: str) -> xgr.Grammar:
+    return xgr.Grammar.from_json_schema(
+        schema, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=True
+    )
+
+
+def _from_legacy_structural_tag(tag: dict) -> dict:
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(structures, list) or not isinstance(triggers, list):
+        raise GrammarError("structural_tag: 'structures' and 'triggers' must be lists", "structural_tag")
+    tags = []
+    for item in structures:
+        if not isinstance(item, dict) or not {"begin", "schema", "end"} <= item.keys():
+            raise GrammarError(
+                "structural_tag: each structure needs 'begin', 'schema' and 'end'", "structural_tag"
+            )
+        schema = item["schema"]
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise GrammarError(f"structural_tag: a schema is not valid JSON: {e}", "structural_tag") from e
+        content = {"type": "json_schema", "json_schema": schema}
+        tags.append({"type": "tag", "begin": item["begin"], "content": content, "end": item["end"]})
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}}
+
+
+def _bound_json_whitespace(node: Any) -> None:
+    """Set ``max_whitespace_cnt`` on every JSON-style ``json_schema`` format under ``node``."""
+    if isinstance(node, list):
+        for item in node:
+            _bound_json_whitespace(item)
+        return
+    if not isinstance(node, dict):
+        return
+    if node.get("type") == "json_schema" and node.get("style", "json") == "json":
+        node.setdefault("max_whitespace_cnt", TAG_MAX_WHITESPACE)
+    for name, value in node.items():
+        if name != "json_schema":  # the user's schema, not a format
+            _bound_json_whitespace(value)
+
+
+def _grammar_error(key: GrammarKey, error: Exception) -> GrammarError:
+    detail = _INPUT_ECHO.sub("", _LOG_PREFIX.sub("", str(error).strip())) or type(error).__name__
+    if len(detail) > MAX_ERROR_CHARS:
+        detail = detail[: MAX_ERROR_CHARS - 3] + "..."
+    return GrammarError(f"invalid {_KIND_LABELS.get(key.kind, key.kind)}: {detail}", key.param)
+
+
+def _allow_only(mask_row: torch.Tensor, token_ids: list[int]) -> None:
+    """Set ``mask_row`` (ceil(V / 32) int32) so that only ``token_ids`` are allowed."""
+    mask_row.zero_()
+    for token_id in token_ids:
+        word = int(mask_row[token_id // 32]) | (1 << (token_id % 32))
+        mask_row[token_id // 32] = word - (1 << 32) if word >= 1 << 31 else word
