@@ -35,5 +35,12 @@ class RequestAbortedError(ArborError):
     """The request was aborted (by the client, by shutdown) before it finished."""
 
 
+class ServerOverloadedError(ArborError):
+    """More requests are in flight than `max_running_requests + max_queued_requests`.
+
+    The HTTP server answers it with 503; the client may retry later.
+    """
+
+
 class EngineDeadError(ArborError):
     """The scheduler process exited; the engine cannot serve more requests."""

@@ -83,5 +83,5 @@ def _spec(params: SamplingParams) -> GrammarSpec | None:
                 tag = json.loads(tag)
             except ValueError as e:
                 raise GrammarError(f"structural_tag is not valid JSON: {e}", "structural_tag") from e
-        return GrammarSpec(GrammarKey("structural_tag", json.dumps(tag, sort_keys=True)))
+        return GrammarSpec(GrammarKey("structural_tag", json.dumps(tag)))
     return None

@@ -15,6 +15,7 @@ from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def _check(cond: bool, name: str, value: Any, expected: str) -> None:
@@ -109,6 +110,11 @@ class SchedulerConfig:
         default=0.001, metadata={"help": "how much the share falls each decode step without retraction"}
     )
     random_seed: int = field(default=0, metadata={"help": "seed for requests that give none"})
+    max_queued_requests: int | None = field(
+        default=None,
+        metadata={"help": "requests accepted beyond max_running_requests (counted at the front); "
+                          "more are refused (HTTP 503); default unbounded"},
+    )
 
     def __post_init__(self):
         _check_types(self)
@@ -127,6 +133,10 @@ class SchedulerConfig:
             "init_new_token_ratio", self.init_new_token_ratio,
             "0 <= min_new_token_ratio <= init_new_token_ratio <= 1",
         )
+        _check(
+            self.max_queued_requests is None or self.max_queued_requests >= 0,
+            "max_queued_requests", self.max_queued_requests, "None or >= 0",
+        )
 
 
 GRAMMAR_BACKENDS = ("xgrammar", "outlines")
@@ -138,7 +148,7 @@ class GrammarConfig:
 
     grammar_backend: str = field(default="xgrammar", metadata={"help": "xgrammar | outlines"})
     grammar_compile_timeout: float = field(
-        default=30.0, metadata={"help": "seconds a request may wait for its grammar to compile"}
+        default=60.0, metadata={"help": "seconds a request may wait for its grammar to compile"}
     )
     disable_jump_forward: bool = field(
         default=False, metadata={"help": "do not append the tokens a grammar forces without decoding"}
@@ -161,10 +171,18 @@ class ServerConfig:
     port: int = field(default=30000, metadata={"help": "port to bind"})
     api_key: str | None = field(default=None, metadata={"help": "require this bearer token"})
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
+    served_model_name: str | None = field(
+        default=None,
+        metadata={"help": "model name the OpenAI API reports and accepts (besides 'default'); "
+                          "default the model path, or SmolLM2-135M-Instruct"},
+    )
 
     def __post_init__(self):
         _check_types(self)
         _check(0 <= self.port < 65536, "port", self.port, "0..65535")
+        _check(
+            self.log_level in LOG_LEVELS, "log_level", self.log_level, f"one of {LOG_LEVELS}",
+        )
 
 
 @dataclass(frozen=True)

@@ -11,50 +11,21 @@ import asyncio
 import atexit
 import contextlib
 import logging
-import multiprocessing as mp
 import queue
-import shutil
-import sys
-import tempfile
 import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from arborlm.errors import EngineDeadError, InvalidRequestError, ModelLoadError
+from arborlm.errors import EngineDeadError, InvalidRequestError
 from arborlm.runtime.config import ServerArgs
-from arborlm.runtime.io_struct import TokenizedGenerateReqInput
+from arborlm.runtime.launcher import close_front, launch_scheduler, load_tokenizer
+from arborlm.runtime.request_batch import expand_requests, generate_batch
 from arborlm.runtime.sampling import SamplingParams
-from arborlm.runtime.scheduler_process import PortArgs, Shutdown, run_scheduler_process
-from arborlm.runtime.tokenizer_manager import GenerateReqInput, TokenizerManager
+from arborlm.runtime.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
 
-SCHEDULER_START_TIMEOUT_S = 900.0
-WATCHDOG_INTERVAL_S = 1.0
 _STREAM_END = object()
-
-
-@contextlib.contextmanager
-def _main_module_not_reimported():
-    """Keep `spawn` from re-running the caller's script in the scheduler process.
-
-    The scheduler's entry point and arguments live in arborlm, so the child does
-    not need `__main__`; without this, a script that builds an Engine at module
-    level (no `if __name__ == "__main__":` guard) would start engines recursively,
-    and `python - < script` or `python -c` could not start one at all.
-    """
-    main = sys.modules.get("__main__")
-    saved_spec = getattr(main, "__spec__", None)
-    saved_file = getattr(main, "__file__", None)
-    main.__spec__ = None
-    if saved_file is not None:
-        del main.__file__
-    try:
-        yield
-    finally:
-        main.__spec__ = saved_spec
-        if saved_file is not None:
-            main.__file__ = saved_file
 
 
 class Engine:
@@ -75,64 +46,30 @@ class Engine:
 
     def __init__(self, model: str | None = None, **server_args: Any):
         self.server_args = ServerArgs.from_kwargs(model=model, **server_args)
-        self._ipc_dir = tempfile.mkdtemp(prefix="arborlm-")
-        port_args = PortArgs(
-            scheduler_input=f"ipc://{self._ipc_dir}/scheduler_input",
-            scheduler_output=f"ipc://{self._ipc_dir}/scheduler_output",
-        )
         self._closed = False
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="arborlm-engine", daemon=True)
         self._loop_thread.start()
-        self._process, model_info = self._start_scheduler(port_args)
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(model_info.checkpoint)
-        self.model_info = model_info
-        self.tokenizer_manager = self._call(self._make_manager(model_info, port_args))
-        self._watchdog = threading.Thread(target=self._watch_scheduler, name="arborlm-watchdog", daemon=True)
-        self._watchdog.start()
+        try:
+            self._scheduler = launch_scheduler(self.server_args)
+        except BaseException:
+            self._closed = True
+            self._stop_loop()
+            raise
+        self.model_info = self._scheduler.model_info
+        self.tokenizer = load_tokenizer(self.model_info)
+        self.tokenizer_manager = self._call(self._make_manager())
+        self._scheduler.watch(self._on_scheduler_exit)
         atexit.register(self.shutdown)
 
-    def _start_scheduler(self, port_args: PortArgs):
-        ctx = mp.get_context("spawn")
-        reader, writer = ctx.Pipe(duplex=False)
-        process = ctx.Process(
-            target=run_scheduler_process, args=(self.server_args, port_args, writer), daemon=True
-        )
-        with _main_module_not_reimported():
-            process.start()
-        writer.close()
-        if not reader.poll(SCHEDULER_START_TIMEOUT_S):
-            process.kill()
-            raise EngineDeadError("the scheduler did not start in time")
-        try:
-            msg = reader.recv()
-        except EOFError as e:
-            process.join(5)
-            raise EngineDeadError(f"the scheduler exited while starting (code {process.exitcode})") from e
-        if msg["status"] != "ready":
-            process.join(5)
-            self._stop_loop()
-            error = msg["error"]
-            if isinstance(error, (ModelLoadError, ValueError, TypeError)):
-                raise error
-            raise EngineDeadError(f"the scheduler failed to start: {error}\n{msg['traceback']}")
-        return process, msg["model_info"]
-
-    async def _make_manager(self, model_info, port_args) -> TokenizerManager:
-        manager = TokenizerManager(self.server_args, model_info, self.tokenizer, port_args)
+    async def _make_manager(self) -> TokenizerManager:
+        manager = TokenizerManager(self.server_args, self.model_info, self.tokenizer, self._scheduler.port_args)
         manager.start()
         return manager
 
-    def _watch_scheduler(self) -> None:
-        while not self._closed:
-            self._process.join(WATCHDOG_INTERVAL_S)
-            if not self._process.is_alive() and not self._closed:
-                reason = f"the scheduler process exited (code {self._process.exitcode})"
-                logger.error(reason)
-                self._loop.call_soon_threadsafe(self.tokenizer_manager.fail_all, reason)
-                return
+    def _on_scheduler_exit(self, reason: str) -> None:
+        """Watchdog callback: every waiting caller gets `EngineDeadError`."""
+        self._loop.call_soon_threadsafe(self.tokenizer_manager.fail_all, reason)
 
     def _call(self, coro):
         """Run a coroutine on the engine's loop and wait for its result."""
@@ -142,57 +79,6 @@ class Engine:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     # ---- generation ---------------------------------------------------------
-
-    def _requests(
-        self,
-        prompt: str | list[str] | None,
-        input_ids: list[int] | list[list[int]] | None,
-        sampling_params: dict | SamplingParams | list | None,
-        **kwargs: Any,
-    ) -> tuple[list[GenerateReqInput], bool]:
-        """Normalise one request or a batch (a list of prompts or of id lists) into single requests.
-
-        `n > 1` expands each prompt into n requests (distinct seeds when one is given).
-        """
-        if prompt is not None and input_ids is not None:
-            raise InvalidRequestError("give prompt or input_ids, not both", param="prompt")
-        if prompt is None and input_ids is None:
-            raise InvalidRequestError("give prompt or input_ids", param="prompt")
-        is_batch = isinstance(prompt, list) or (
-            isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
-        )
-        items = (prompt if prompt is not None else input_ids) if is_batch else [prompt if prompt is not None else input_ids]
-        if is_batch and not items:
-            raise InvalidRequestError("the batch is empty", param="prompt")
-        if prompt is not None and not all(isinstance(p, str) for p in items):
-            raise InvalidRequestError("prompt must be a string or a list of strings", param="prompt")
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(items):
-                raise InvalidRequestError("one sampling_params per prompt, or a single dict", param="sampling_params")
-            params_list = sampling_params
-        else:
-            params_list = [sampling_params] * len(items)
-        reqs = []
-        for item, params in zip(items, params_list):
-            if isinstance(params, SamplingParams):
-                params_dict = dict(params.__dict__)
-            elif params is None or isinstance(params, dict):
-                params_dict = dict(params or {})
-            else:
-                raise InvalidRequestError(
-                    f"sampling_params must be a dict or SamplingParams, got {type(params).__name__}",
-                    param="sampling_params",
-                )
-            n = params_dict.pop("n", 1)
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                raise InvalidRequestError("n must be an integer >= 1", param="n")
-            for i in range(n):
-                p = dict(params_dict)
-                if n > 1 and p.get("seed") is not None:
-                    p["seed"] = p["seed"] + i
-                text, ids = (item, None) if prompt is not None else (None, item)
-                reqs.append(GenerateReqInput(text=text, input_ids=ids, sampling_params=p, **kwargs))
-        return reqs, is_batch or len(reqs) > 1
 
     def generate(
         self,
@@ -215,7 +101,10 @@ class Engine:
 
         Raises
         ------
-        InvalidRequestError: bad prompt or sampling field (nothing is run).
+        InvalidRequestError: bad prompt or sampling field (nothing is run), or
+            a grammar the scheduler could not compile in time. In a batch, such
+            a late refusal does not raise: that item's ``finish_reason`` is
+            ``{"type": "abort", "message", "param"}`` and the others complete.
         EngineDeadError: the scheduler process is gone.
         """
         kwargs = dict(return_logprob=return_logprob, logprob_start_len=logprob_start_len,
@@ -240,10 +129,10 @@ class Engine:
                       top_logprobs_num=top_logprobs_num, rid=rid)
         if stream:
             return self._stream_async(prompt, input_ids, sampling_params, kwargs)
-        reqs, is_batch = self._requests(prompt, input_ids, sampling_params, **kwargs)
+        reqs, is_batch = expand_requests(prompt, input_ids, sampling_params, **kwargs)
         if is_batch and rid is not None:
             raise InvalidRequestError("rid applies to a single request", param="rid")
-        results = await self._run_on_loop(self._gather(reqs))
+        results = await self._run_on_loop(generate_batch(self.tokenizer_manager, reqs))
         return results if is_batch else results[0]
 
     async def _run_on_loop(self, coro):
@@ -254,20 +143,8 @@ class Engine:
             return await coro
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
 
-    async def _gather(self, reqs: list[GenerateReqInput]) -> list[dict[str, Any]]:
-        manager = self.tokenizer_manager
-        # Validate and tokenize every item first, so a bad one rejects the batch before anything runs.
-        built = [manager.build_request(req) for req in reqs]
-
-        async def one(req: TokenizedGenerateReqInput) -> dict[str, Any]:
-            async for result in manager.generate(req):
-                return result
-            raise EngineDeadError("no result")
-
-        return list(await asyncio.gather(*(one(r) for r in built)))
-
     def _stream_sync(self, prompt, input_ids, sampling_params, kwargs) -> Iterator[dict[str, Any]]:
-        reqs, is_batch = self._requests(prompt, input_ids, sampling_params, stream=True, **kwargs)
+        reqs, is_batch = expand_requests(prompt, input_ids, sampling_params, stream=True, **kwargs)
         if is_batch:
             raise InvalidRequestError("stream=True takes one prompt with n=1", param="stream")
         chunks: queue.Queue = queue.Queue()
@@ -291,7 +168,7 @@ class Engine:
             future.cancel()
 
     async def _stream_async(self, prompt, input_ids, sampling_params, kwargs) -> AsyncIterator[dict[str, Any]]:
-        reqs, is_batch = self._requests(prompt, input_ids, sampling_params, stream=True, **kwargs)
+        reqs, is_batch = expand_requests(prompt, input_ids, sampling_params, stream=True, **kwargs)
         if is_batch:
             raise InvalidRequestError("stream=True takes one prompt with n=1", param="stream")
         if asyncio.get_running_loop() is self._loop:
@@ -345,23 +222,14 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        self._scheduler.begin_stop()
         try:
-            asyncio.run_coroutine_threadsafe(self._close_manager(self.tokenizer_manager), self._loop).result(10)
+            asyncio.run_coroutine_threadsafe(close_front(self.tokenizer_manager), self._loop).result(10)
         except Exception:  # noqa: BLE001 - best effort while shutting down
             logger.debug("error while closing the tokenizer manager", exc_info=True)
-        self._process.join(10)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join(5)
+        self._scheduler.stop()
         self._stop_loop()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
         atexit.unregister(self.shutdown)
-
-    async def _close_manager(self, manager: TokenizerManager) -> None:
-        # zmq sockets belong to the loop's thread: send and close from there.
-        manager.send_sock.send_pyobj(Shutdown())
-        await asyncio.sleep(0.05)  # let the shutdown message leave the socket
-        manager.close()
 
     def _stop_loop(self) -> None:
         if self._loop.is_running():
@@ -379,3 +247,4 @@ class Engine:
         if not getattr(self, "_closed", True):
             with contextlib.suppress(Exception):
                 self.shutdown()
+

@@ -24,6 +24,7 @@ class TokenizedGenerateReqInput:
     seed: the sampling seed actually used (the request's or one derived from the server's).
     logprob_start_len: first prompt position whose logprob is returned; -1 = none.
     grammar: the constraint, already checked by the front (None: unconstrained).
+    cache_salt: the tenant namespace of this request's cached prefixes (None: shared).
     """
 
     rid: str
@@ -35,6 +36,7 @@ class TokenizedGenerateReqInput:
     top_logprobs_num: int = 0
     stream: bool = False
     grammar: GrammarSpec | None = None
+    cache_salt: str | None = None
 
 
 @dataclass

@@ -11,7 +11,8 @@ The processing order follows vLLM and SGLang (``sglang/srt/layers/sampler.py``,
 
 1. penalties: repetition (Hugging Face style: divide positive logits, multiply
    negative ones, over prompt + output tokens), then frequency and presence
-   (OpenAI style: subtract, over output tokens only);
+   (OpenAI style: subtract, over output tokens only), then ``logit_bias``
+   (OpenAI style: added to the logits);
 2. min_new_tokens: EOS and stop token ids are masked to ``-inf`` until the
    request has generated that many tokens;
 3. greedy rows (temperature 0) take the argmax; the other rows are divided by
@@ -91,6 +92,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    # OpenAI's logit_bias: token id (int, or its decimal text as JSON keys are) -> bias in [-100, 100].
+    logit_bias: dict[int, float] | None = None
     # Grammar constraints (at most one; see `arborlm.constrained`).
     json_schema: str | dict | None = None
     regex: str | None = None
@@ -133,7 +136,12 @@ class SamplingParams:
         stop = self.stop
         stop_list = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
         ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
-        return dataclasses.replace(self, stop=stop_list, stop_token_ids=ids)
+        bias = dict(self._logit_bias_items()) or None
+        return dataclasses.replace(self, stop=stop_list, stop_token_ids=ids, logit_bias=bias)
+
+    def _logit_bias_items(self) -> list[tuple[int, float]]:
+        """``logit_bias`` as (token id, bias) pairs; call after the type check."""
+        return [(int(k), float(v)) for k, v in (self.logit_bias or {}).items()]
 
     def verify(self, vocab_size: int) -> None:
         """Check every field's type and range.
@@ -162,6 +170,13 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"{name} must be {accepted}, got {getattr(self, name)!r}", name
                 )
+        for token_id, bias in self._logit_bias_items():
+            if not 0 <= token_id < vocab_size:
+                raise InvalidRequestError(
+                    f"logit_bias names token {token_id}, outside the vocabulary [0, {vocab_size})", "logit_bias"
+                )
+            if not -100 <= bias <= 100:
+                raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {bias}", "logit_bias")
         for token_id in self.stop_token_ids or ():
             if not 0 <= token_id < vocab_size:
                 raise InvalidRequestError(
@@ -202,11 +217,22 @@ class SamplingParams:
         given = [n for n in ("json_schema", "regex", "ebnf", "structural_tag") if getattr(self, n) is not None]
         if len(given) > 1:
             raise InvalidRequestError(f"give at most one grammar constraint, got {given}", given[1])
+        if self.logit_bias is not None and not _is_logit_bias(self.logit_bias):
+            raise bad("logit_bias", "an object of token id -> number")
         ids = self.stop_token_ids
         if ids is not None and (
             not isinstance(ids, (list, tuple)) or not all(_is_int(i) for i in ids)
         ):
             raise bad("stop_token_ids", "a list of integers")
+
+
+def _is_logit_bias(value: Any) -> bool:
+    def is_id(key: Any) -> bool:
+        return _is_int(key) or (isinstance(key, str) and key.isascii() and key.isdigit())
+
+    return isinstance(value, dict) and all(
+        is_id(k) and _is_number(v) and not math.isnan(v) for k, v in value.items()
+    )
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -246,6 +272,7 @@ class SamplingBatchInfo:
     need_repetition_penalty: bool = False
     need_frequency_presence_penalty: bool = False
     need_min_new_tokens: bool = False
+    need_logit_bias: bool = False
     params_list: list[SamplingParams] = field(default_factory=list, repr=False)
 
     @classmethod
@@ -308,6 +335,7 @@ class SamplingBatchInfo:
                 p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params_list
             ),
             need_min_new_tokens=any(p.min_new_tokens > 0 for p in params_list),
+            need_logit_bias=any(p.logit_bias for p in params_list),
             params_list=list(params_list),
         )
 
@@ -409,6 +437,21 @@ def apply_penalties(
     if info.need_frequency_presence_penalty:
         logits -= info.frequency_penalties.view(-1, 1) * output_counts
         logits -= info.presence_penalties.view(-1, 1) * (output_counts > 0).float()
+
+
+def apply_logit_bias(logits: torch.Tensor, info: SamplingBatchInfo) -> None:
+    """Add each row's ``logit_bias`` to ``logits`` (B, V) in place (ids already verified)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    for i, params in enumerate(info.params_list):
+        for token_id, bias in params._logit_bias_items():
+            rows.append(i)
+            cols.append(token_id)
+            values.append(bias)
+    if rows:
+        index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+        logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=logits.device), accumulate=True)
 
 
 def apply_min_new_tokens(
@@ -528,13 +571,15 @@ class Sampler:
         eos_ids_list: list[list[int]] | None,
         num_generated: list[int],
     ) -> torch.Tensor:
-        """Penalties then min_new_tokens masking, on a copy when either applies."""
+        """Penalties, logit bias, then min_new_tokens masking, on a copy when any applies."""
         need_penalties = info.need_repetition_penalty or info.need_frequency_presence_penalty
-        if not need_penalties and not info.need_min_new_tokens:
+        if not need_penalties and not info.need_logit_bias and not info.need_min_new_tokens:
             return logits.float()
         logits = logits.float().clone()
         if need_penalties:
             apply_penalties(logits, info, output_ids_list, prompt_ids_list)
+        if info.need_logit_bias:
+            apply_logit_bias(logits, info)
         if info.need_min_new_tokens:
             eos = eos_ids_list if eos_ids_list is not None else [[] for _ in num_generated]
             apply_min_new_tokens(logits, info, eos, num_generated)

@@ -14,13 +14,18 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 import zmq.asyncio
 
 from arborlm.constrained.grammar_spec import GrammarSpec, grammar_spec_from_params
-from arborlm.errors import EngineDeadError, InvalidRequestError, RequestAbortedError
+from arborlm.errors import (
+    EngineDeadError,
+    InvalidRequestError,
+    RequestAbortedError,
+    ServerOverloadedError,
+)
 from arborlm.runtime.config import ServerArgs
 from arborlm.runtime.detokenizer import RequestDecoder
 from arborlm.runtime.io_struct import (
@@ -45,6 +50,8 @@ class GenerateReqInput:
 
     sampling_params: a dict of `SamplingParams` fields (validated here).
     logprob_start_len: first prompt position to return logprobs for; -1 = none.
+    cache_salt: keeps this request's cached prefixes apart from other salts'
+        (refused until the radix cache namespaces its keys).
     """
 
     text: str | None = None
@@ -55,6 +62,7 @@ class GenerateReqInput:
     top_logprobs_num: int = 0
     stream: bool = False
     rid: str | None = None
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -69,12 +77,28 @@ class ReqState:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     first_token_time: float | None = None
+    last_output_time: float | None = None
     finished: bool = False
     output_token_logprobs: list = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
     input_token_logprobs: list | None = None
     input_top_logprobs: list | None = None
     grammar: GrammarSpec | None = None
+
+
+class OutputObserver(Protocol):
+    """Told about every request's outputs as they arrive (the HTTP server's metrics).
+
+    Called on the manager's loop; must not block.
+    """
+
+    def on_tokens(self, num_tokens: int, interval_s: float, first: bool) -> None:
+        """`num_tokens` new tokens arrived `interval_s` seconds after the previous
+        output, or after the request was sent when `first` (its TTFT)."""
+
+    def on_finish(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
+                  e2e_latency_s: float, finish_reason: dict[str, Any]) -> None:
+        """A request finished (any reason, aborts included)."""
 
 
 class TokenizerManager:
@@ -86,10 +110,13 @@ class TokenizerManager:
     model_info: what the scheduler reported when it became ready.
     tokenizer: the model's Hugging Face tokenizer.
     port_args: zmq addresses (`scheduler_process.PortArgs`).
+    observer: told about every output (metrics); None for none.
     """
 
-    def __init__(self, server_args: ServerArgs, model_info: ModelInfo, tokenizer, port_args):
+    def __init__(self, server_args: ServerArgs, model_info: ModelInfo, tokenizer, port_args,
+                 observer: OutputObserver | None = None):
         self.server_args = server_args
+        self.observer = observer
         self.model_info = model_info
         self.tokenizer = tokenizer
         self.context = zmq.asyncio.Context()
@@ -104,6 +131,8 @@ class TokenizerManager:
         self.dead_reason: str | None = None
         self.stats = {"num_grammar_violations": 0}
         self._loop_task: asyncio.Task | None = None
+        queued = server_args.scheduler.max_queued_requests
+        self.max_in_flight = None if queued is None else model_info.max_running_requests + queued
 
     def start(self) -> None:
         """Start receiving scheduler outputs (call on the running loop)."""
@@ -149,6 +178,7 @@ class TokenizerManager:
             raise InvalidRequestError("rid must be a string", param="rid")
         if rid in self.rid_to_state:
             raise InvalidRequestError(f"request id {rid!r} is already in flight", param="rid")
+        self._check_cache_salt(obj.cache_salt)
         return TokenizedGenerateReqInput(
             rid=rid,
             input_ids=input_ids,
@@ -159,6 +189,20 @@ class TokenizerManager:
             top_logprobs_num=obj.top_logprobs_num,
             stream=obj.stream,
             grammar=grammar,
+            cache_salt=obj.cache_salt,
+        )
+
+    @staticmethod
+    def _check_cache_salt(salt: Any) -> None:
+        """Refuse `cache_salt`: the scheduler's radix cache does not namespace prefixes yet,
+        and a salt silently ignored would let one tenant's prefixes serve another's."""
+        if salt is None:
+            return
+        if not isinstance(salt, str):
+            raise InvalidRequestError("cache_salt must be a string", param="cache_salt")
+        raise InvalidRequestError(
+            "cache_salt is not supported yet: this server's prefix cache is shared by all requests",
+            param="cache_salt",
         )
 
     def _sampling_params(self, params: Any) -> SamplingParams:
@@ -218,6 +262,9 @@ class TokenizerManager:
         """
         self._check_alive()
         recv = obj if isinstance(obj, TokenizedGenerateReqInput) else self.build_request(obj)
+        if recv.rid in self.rid_to_state:  # a pre-built request is checked again here, atomically
+            raise InvalidRequestError(f"request id {recv.rid!r} is already in flight", param="rid")
+        self.check_capacity(1)
         params = recv.sampling_params
         state = ReqState(
             rid=recv.rid,
@@ -253,11 +300,27 @@ class TokenizerManager:
                 self.send_sock.send_pyobj(AbortReq(recv.rid))
             self.rid_to_state.pop(recv.rid, None)
 
+    def check_capacity(self, num_new: int) -> None:
+        """Refuse `num_new` more requests when `max_queued_requests` would be exceeded.
+
+        Raises
+        ------
+        ServerOverloadedError: more than `max_running_requests + max_queued_requests`
+            requests would be in flight.
+        """
+        if self.max_in_flight is not None and len(self.rid_to_state) + num_new > self.max_in_flight:
+            raise ServerOverloadedError(
+                f"the server is at capacity ({len(self.rid_to_state)} requests in flight, "
+                f"max_running_requests={self.model_info.max_running_requests}, "
+                f"max_queued_requests={self.server_args.scheduler.max_queued_requests}); retry later"
+            )
+
     def _apply_output(self, state: ReqState, out: ReqOutput) -> str:
         """Fold one scheduler output into the request's state; returns the new text."""
         now = time.perf_counter()
         if state.first_token_time is None and out.new_token_ids:
             state.first_token_time = now
+        self._observe(state, out, now)
         state.output_ids.extend(out.new_token_ids)
         check = state.decoder.step(out.new_token_ids)
         delta = check.text
@@ -277,6 +340,18 @@ class TokenizerManager:
                 None if top is None else [(lp, tid, None) for lp, tid in top] for top in (out.input_top_logprobs or [])
             ]
         return delta
+
+    def _observe(self, state: ReqState, out: ReqOutput, now: float) -> None:
+        if self.observer is None:
+            return
+        if out.new_token_ids:
+            first = state.last_output_time is None
+            since = state.created_time if first else state.last_output_time
+            self.observer.on_tokens(len(out.new_token_ids), now - since, first)
+            state.last_output_time = now
+        if out.finish_reason is not None:
+            self.observer.on_finish(out.prompt_tokens, out.cached_tokens, out.completion_tokens,
+                                    now - state.created_time, out.finish_reason)
 
     def _check_grammar_output(self, state: ReqState, out: ReqOutput) -> None:
         """A constrained output that ended by the grammar must satisfy the user's schema.
@@ -348,6 +423,11 @@ class TokenizerManager:
                 state = self.rid_to_state.get(out.rid)
                 if state is not None:
                     state.queue.put_nowait(out)
+
+    def abort_all(self, message: str) -> None:
+        """Every in-flight caller gets `RequestAbortedError(message)`; the scheduler is told to stop them."""
+        for state in self.rid_to_state.values():
+            state.queue.put_nowait(RequestAbortedError(message))
 
     def fail_all(self, reason: str) -> None:
         """The scheduler died: every waiting caller gets `EngineDeadError`."""

@@ -45,7 +45,8 @@ VALID = [
     (schema(SHARED_DEFS), '{"a": {"x": 1}, "b": {"x": 2}}'),
     (schema({"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 2}), '["red", "green"]'),
     (schema({"type": "string", "format": "date"}), '"2024-01-31"'),
-    (GrammarKey("json_schema", "$$ANY$$"), '{"a": [1, null]}'),
+    (schema({"type": "object", "additionalProperties": {"type": "integer"}}), '{"a": 1, "b": 2}'),
+    (schema({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {}}), '{"a": 1}'),
 ]
 
 # (key, the param the error must name, a fragment of the message)
@@ -69,10 +70,16 @@ INVALID = [
     (schema({"definitions": {"list": {"type": "array", "items": {"$ref": "#/definitions/list"}}},
              "type": "object", "properties": {"tree": {"$ref": "#/definitions/list"}}}), "json_schema",
      'recursive $ref "#/definitions/list" at $.definitions.list.items.$ref'),
-    (schema({"type": "integer", "minimum": 3}), "json_schema", 'ignores "minimum" (at $)'),
+    (schema({"type": "integer", "minimum": 3}), "json_schema", 'ignores "minimum", so the output could break it (at $);'),
     (schema({"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}), "json_schema",
-     'ignores "uniqueItems" (at $.properties.tags)'),
-    (schema({"allOf": [{"type": "object"}, {"type": "object"}]}), "json_schema", "allOf"),
+     '"uniqueItems", so the output could break it (at $.properties.tags)'),
+    (schema({"allOf": [{"type": "integer"}, {"type": "integer"}]}), "json_schema", "several allOf"),
+    (GrammarKey("json_schema", "$$ANY$$"), "json_schema", "cannot bound any JSON value (a regex nested"),
+    (schema({"description": "anything"}), "json_schema", "any JSON value"),
+    (schema({"type": "object", "properties": {"meta": {"type": "object"}}}), "json_schema",
+     "an object without properties (a regex nested to a fixed depth, slow to compile) (at $.properties.meta)"),
+    (schema({"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "array"}]}}), "json_schema",
+     "an array without items (a regex nested to a fixed depth, slow to compile) (at $.items.anyOf[1])"),
     (schema({"type": "string", "pattern": "a+", "minLength": 3}), "json_schema", "pattern + minLength/maxLength"),
     (schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]}), "json_schema",
      'required property "b"'),
@@ -141,10 +148,32 @@ def test_vocabulary_holds_the_bytes_each_token_stands_for(tokenizer, backend, eo
     assert token_bytes[tokenizer.convert_tokens_to_ids("Ċ")] == b"\n"
     text = "Héllo wörld — ✓ 日本語\n\tend"
     assert b"".join(token_bytes[i] for i in encode(tokenizer, text)) == text.encode()
-    assert all(token_bytes[i] is None for i in tokenizer.all_special_ids)  # special tokens and EOS
+    special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
+    assert special >= set(tokenizer.all_special_ids) and len(special) == 17
+    assert all(token_bytes[i] is None for i in special)  # <|im_start|>, <file_sep>, ... and EOS
     assert token_bytes[eos] is None
     assert all(text is None for text in token_bytes[TOKENIZER_VOCAB:])
     assert backend.token_bytes[backend.end_mark_id] is None
+
+
+def test_sentencepiece_vocabulary_with_byte_fallback():
+    """A Llama-2-style tokenizer built in memory: "▁" is a space, "<0xAB>" a raw byte."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<0x0A>": 3, "<0xC3>": 4, "<0xA9>": 5, "▁": 6, "h": 7, "i": 8,
+             "▁hi": 9, "é": 10}
+    model = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    model.pre_tokenizer = pre_tokenizers.Metaspace()
+    model.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer.add_tokens(["<tool>"])
+    backend = OutlinesBackend(tokenizer, 16, [2])
+    assert backend.token_bytes == [None, None, None, b"\n", b"\xc3", b"\xa9", b" ", b"h", b"i", b" hi", "é".encode(),
+                                   b"<tool>", None, None, None, None]
+    matcher = backend.compile(regex(r" hi\né")).new_matcher()
+    assert matcher.find_jump_forward_string() == " hi\né"
+    assert all(matcher.accept_token(i) for i in (9, 3, 4, 5, 2)) and matcher.is_terminated()
 
 
 @pytest.mark.parametrize(("key", "text"), VALID, ids=[f"{k.kind}:{t}" for k, t in VALID])
@@ -236,7 +265,7 @@ def test_rollback_restores_earlier_states(tokenizer, eos, compile_key):
 
 
 def test_rollback_is_bounded(tokenizer, compile_key):
-    matcher = compile_key(regex("a{0,2000}")).new_matcher()
+    matcher = compile_key(regex("a*")).new_matcher()
     a = tokenizer.convert_tokens_to_ids("a")
     for _ in range(MAX_ROLLBACK_TOKENS + 5):
         assert matcher.accept_token(a)

@@ -21,16 +21,20 @@ from arborlm.runtime.sampling import SamplingParams
 pytestmark = pytest.mark.smollm
 
 BENCH = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "jsonschemabench"
-SCHEMAS_PER_SUBSET = 3
+SCHEMAS_PER_SUBSET = 2
 SEEDS = (0, 1)
 
 
+MAX_SCHEMA_CHARS = 4000  # the largest take xgrammar 20 s to compile here; the benchmark covers them
+
+
 def bench_schemas() -> list[tuple[str, dict]]:
-    """The first `SCHEMAS_PER_SUBSET` schemas of every sub-dataset (deterministic)."""
+    """The first `SCHEMAS_PER_SUBSET` schemas under `MAX_SCHEMA_CHARS` of every sub-dataset."""
     out = []
     for path in sorted(BENCH.glob("*.jsonl")):
-        lines = path.read_text().splitlines()[:SCHEMAS_PER_SUBSET]
-        out += [(rec["id"], rec["schema"]) for rec in map(json.loads, lines)]
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        small = [r for r in records if len(json.dumps(r["schema"])) < MAX_SCHEMA_CHARS]
+        out += [(r["id"], r["schema"]) for r in small[:SCHEMAS_PER_SUBSET]]
     return out
 
 
@@ -59,7 +63,7 @@ def test_jsonschemabench_outputs_validate(smol):
         for seed in SEEDS:
             ids.append(sid)
             prompts.append(chat(smol, "Produce one JSON document."))
-            params.append({"json_schema": schema, "temperature": 1.0, "seed": seed, "max_new_tokens": 384})
+            params.append({"json_schema": schema, "temperature": 1.0, "seed": seed, "max_new_tokens": 256})
     assert len(refused) < len(schemas) // 2, refused
     outs = smol.generate(prompts, params)
     finished = 0

@@ -66,6 +66,10 @@ INVALID = [
     ({"seed": "1"}, "seed"),
     ({"ignore_eos": 1}, "ignore_eos"),
     ({"skip_special_tokens": "yes"}, "skip_special_tokens"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {str(VOCAB): 1}}, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": [1, 2]}, "logit_bias"),
 ]
 
 
@@ -86,6 +90,7 @@ VALID = [
     {"max_new_tokens": 0},
     {"stop": "x", "stop_token_ids": [0, VOCAB - 1], "seed": 7},
     {"stop": ["a", "b"], "n": 3, "no_stop_trim": True},
+    {"logit_bias": {"0": -100, 5: 100.0}},
 ]
 
 
@@ -284,6 +289,16 @@ def test_repetition_penalty_hf_style():
     assert torch.equal(logits, torch.tensor([[2.0, -2.0, 1.0, -1.0, 0.5]]))  # input untouched
     out = Sampler()(logits, info, [[1]], [[0, 3]])
     assert out.next_token_ids.tolist() == [0]  # ties between 0 and 2 go to the first
+
+
+def test_logit_bias_is_added_per_row():
+    logits = torch.zeros(2, 4)
+    params = [SamplingParams(temperature=0, logit_bias={"2": 5.0, "0": -100}).normalized(),
+              SamplingParams(temperature=0)]
+    info = make_info(params, vocab_size=4)
+    processed = Sampler._process_logits(logits, info, [[], []], None, None, [0, 0])
+    assert torch.equal(processed, torch.tensor([[-100.0, 0.0, 5.0, 0.0], [0.0, 0.0, 0.0, 0.0]]))
+    assert Sampler()(logits, info).next_token_ids.tolist() == [2, 0]
 
 
 def test_repetition_penalty_changes_greedy_choice():

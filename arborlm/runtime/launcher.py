@@ -1,0 +1,182 @@
+"""Start, watch and stop the scheduler process: the one piece of code the in-process
+`Engine` and the HTTP server (`arborlm.runtime.server`) share.
+
+`launch_scheduler` spawns `run_scheduler_process` (model, pools, radix cache)
+behind two zmq IPC sockets in a private temporary folder and waits until the
+child reports its `ModelInfo`. The caller then builds a `TokenizerManager` on
+its own asyncio loop (it binds those sockets), calls `SchedulerProcess.watch`
+so that a dying scheduler fails every waiting request, and on shutdown calls
+`begin_stop`, `close_front` (on the manager's loop) and `stop`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing as mp
+import shutil
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+
+from arborlm.errors import EngineDeadError, ModelLoadError
+from arborlm.runtime.config import ServerArgs
+from arborlm.runtime.model_runner import ModelInfo
+from arborlm.runtime.scheduler_process import PortArgs, Shutdown, run_scheduler_process
+
+logger = logging.getLogger(__name__)
+
+SCHEDULER_START_TIMEOUT_S = 900.0
+WATCHDOG_INTERVAL_S = 1.0
+STOP_TIMEOUT_S = 10.0
+
+
+@contextlib.contextmanager
+def _main_module_not_reimported():
+    """Keep `spawn` from re-running the caller's script in the scheduler process.
+
+    The scheduler's entry point and arguments live in arborlm, so the child does
+    not need `__main__`; without this, a script that builds an Engine at module
+    level (no `if __name__ == "__main__":` guard) would start engines recursively,
+    and `python - < script` or `python -c` could not start one at all.
+    """
+    main = sys.modules.get("__main__")
+    saved_spec = getattr(main, "__spec__", None)
+    saved_file = getattr(main, "__file__", None)
+    main.__spec__ = None
+    if saved_file is not None:
+        del main.__file__
+    try:
+        yield
+    finally:
+        main.__spec__ = saved_spec
+        if saved_file is not None:
+            main.__file__ = saved_file
+
+
+@dataclass
+class SchedulerProcess:
+    """A running scheduler child process and the addresses the front binds.
+
+    process: the spawned child.
+    model_info: what the scheduler reported when it became ready.
+    port_args: the zmq addresses (IPC files under `ipc_dir`).
+    ipc_dir: temporary folder removed by `stop`.
+    """
+
+    process: BaseProcess
+    model_info: ModelInfo
+    port_args: PortArgs
+    ipc_dir: str
+    _stopping: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def watch(self, on_exit: Callable[[str], None]) -> threading.Thread:
+        """Call `on_exit(reason)` from a daemon thread if the child exits before `begin_stop`.
+
+        `on_exit` runs on the watchdog thread: hand work to an event loop with
+        `loop.call_soon_threadsafe`.
+        """
+
+        def run() -> None:
+            while not self._stopping.is_set():
+                self.process.join(WATCHDOG_INTERVAL_S)
+                if not self.process.is_alive() and not self._stopping.is_set():
+                    reason = f"the scheduler process exited (code {self.process.exitcode})"
+                    logger.error(reason)
+                    on_exit(reason)
+                    return
+
+        thread = threading.Thread(target=run, name="arborlm-watchdog", daemon=True)
+        thread.start()
+        return thread
+
+    def begin_stop(self) -> None:
+        """Mark the exit that follows as expected (the watchdog stays quiet)."""
+        self._stopping.set()
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Wait for the child to exit (kill it after `timeout_s`) and remove the IPC folder.
+
+        Call after `close_front` has sent `Shutdown`; idempotent.
+        """
+        self.begin_stop()
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            logger.warning("the scheduler did not exit in %.0f s; killing it", timeout_s)
+            self.process.kill()
+            self.process.join(5)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def launch_scheduler(server_args: ServerArgs, start_timeout_s: float = SCHEDULER_START_TIMEOUT_S) -> SchedulerProcess:
+    """Spawn the scheduler process and wait until it has loaded the model.
+
+    Blocks for the model load (seconds on the tiny model, up to a minute for a
+    first GGUF conversion).
+
+    Raises
+    ------
+    ModelLoadError, ValueError, TypeError: as the scheduler raised them while loading.
+    EngineDeadError: the child did not start in `start_timeout_s`, or died starting.
+    """
+    ipc_dir = tempfile.mkdtemp(prefix="arborlm-")
+    port_args = PortArgs(
+        scheduler_input=f"ipc://{ipc_dir}/scheduler_input",
+        scheduler_output=f"ipc://{ipc_dir}/scheduler_output",
+    )
+    ctx = mp.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=run_scheduler_process, args=(server_args, port_args, writer), daemon=True)
+    with _main_module_not_reimported():
+        process.start()
+    writer.close()
+    try:
+        model_info = _wait_ready(process, reader, start_timeout_s)
+    except BaseException:
+        if process.is_alive():
+            process.kill()
+        process.join(5)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        raise
+    return SchedulerProcess(process=process, model_info=model_info, port_args=port_args, ipc_dir=ipc_dir)
+
+
+def _wait_ready(process: BaseProcess, reader, timeout_s: float) -> ModelInfo:
+    """Read the child's one readiness message: its `ModelInfo`, or the error it failed with."""
+    if not reader.poll(timeout_s):
+        raise EngineDeadError("the scheduler did not start in time")
+    try:
+        msg = reader.recv()
+    except EOFError as e:
+        process.join(5)
+        raise EngineDeadError(f"the scheduler exited while starting (code {process.exitcode})") from e
+    if msg["status"] == "ready":
+        return msg["model_info"]
+    error = msg["error"]
+    if isinstance(error, (ModelLoadError, ValueError, TypeError)):
+        raise error
+    raise EngineDeadError(f"the scheduler failed to start: {error}\n{msg['traceback']}")
+
+
+def load_tokenizer(model_info: ModelInfo):
+    """The Hugging Face tokenizer of the checkpoint the scheduler loaded."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_info.checkpoint)
+
+
+async def close_front(manager) -> None:
+    """Tell the scheduler to exit and close the manager's sockets.
+
+    Run on the manager's own loop: its zmq sockets belong to that loop's thread.
+    """
+    manager.send_sock.send_pyobj(Shutdown())
+    await asyncio.sleep(0.05)  # let the shutdown message leave the socket
+    manager.close()

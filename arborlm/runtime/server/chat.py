@@ -1,0 +1,84 @@
+"""OpenAI chat messages → the prompt's token ids, through the model's chat template.
+
+Messages become the dicts Hugging Face chat templates read (`role`, `content`
+as one string, `tool_calls`, `tool_call_id`, `name`); `developer` is rendered as
+`system`. Only text content parts are served. `continue_final_message` renders
+the final assistant message open (no end-of-turn) so the model continues it.
+Tool definitions are the tool-call feature's to pass (`tools=` of the template).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from arborlm.runtime.server.errors import bad_request
+from arborlm.runtime.server.protocol import ChatMessage
+
+TEXT_PART_SEPARATOR = "\n"
+
+
+def message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
+    """One message as a chat-template dict.
+
+    Raises
+    ------
+    APIError: 400 for a non-text content part, or missing content where it is required.
+    """
+    role = "system" if message.role == "developer" else message.role
+    out: dict[str, Any] = {"role": role, "content": _content_text(message, index)}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_calls:
+        if role != "assistant":
+            raise bad_request("only assistant messages carry tool_calls", param=f"messages[{index}].tool_calls")
+        out["tool_calls"] = message.tool_calls
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _content_text(message: ChatMessage, index: int) -> str:
+    content = message.content
+    if content is None:
+        if message.role == "assistant" and message.tool_calls:
+            return ""
+        raise bad_request(f"a {message.role} message needs content", param=f"messages[{index}].content")
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text":
+            raise bad_request(
+                f"content parts of type {part.type!r} are not supported; this model reads text parts only",
+                param=f"messages[{index}].content[{j}].type",
+            )
+        if part.text is None:
+            raise bad_request("a text part needs text", param=f"messages[{index}].content[{j}].text")
+        texts.append(part.text)
+    return TEXT_PART_SEPARATOR.join(texts)
+
+
+def render_chat(tokenizer, messages: list[ChatMessage], continue_final_message: bool = False,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """The prompt's token ids for `messages` under the tokenizer's chat template.
+
+    Raises
+    ------
+    APIError: 400 when the model has no chat template, when `continue_final_message`
+        is set but the last message is not the assistant's, or when the template
+        refuses the messages (e.g. roles that must alternate).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise bad_request("this model has no chat template; use /v1/completions", param="messages")
+    dicts = [message_dict(m, i) for i, m in enumerate(messages)]
+    if continue_final_message and dicts[-1]["role"] != "assistant":
+        raise bad_request("continue_final_message needs a final assistant message to continue",
+                          param="continue_final_message")
+    try:
+        text = tokenizer.apply_chat_template(
+            dicts, tokenize=False, add_generation_prompt=not continue_final_message,
+            continue_final_message=continue_final_message, **(template_kwargs or {}),
+        )
+    except Exception as e:  # noqa: BLE001 - jinja raises TemplateError, ValueError, TypeError ...
+        raise bad_request(f"the chat template cannot render these messages: {e}", param="messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,195 @@
+"""SGLang's native API: `/generate`, health, model and server info, cache flush,
+abort, and Prometheus `/metrics`.
+
+`/generate` answers SGLang's result dicts (`{"text", "output_ids", "meta_info"}`),
+a list for a batch or `n > 1`. Streamed, each event carries the text and ids
+*so far* (SGLang's default, not deltas), plus `index` in a batch; the last one
+has `meta_info.finish_reason`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from arborlm import __version__
+from arborlm.runtime.request_batch import expand_requests, generate_batch
+from arborlm.runtime.server.errors import APIError, bad_request
+from arborlm.runtime.server.openai_common import TokenText, parse_body
+from arborlm.runtime.server.protocol import AbortRequest, GenerateRequest
+from arborlm.runtime.server.state import ServerState, get_state
+from arborlm.runtime.server.streaming import (
+    SSE_DONE,
+    cancel_on_disconnect,
+    merge_streams,
+    primed,
+    sse,
+    sse_response,
+)
+from arborlm.runtime.tokenizer_manager import GenerateReqInput
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+router = APIRouter()
+
+
+# ---- generation --------------------------------------------------------------
+
+
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    """SGLang's `/generate`: text or input_ids, one or a batch; JSON or SSE."""
+    state = get_state(request)
+    body = await parse_body(request, GenerateRequest)
+    manager = state.live_manager()
+    reqs, is_batch = expand_requests(
+        body.text, body.input_ids, body.sampling_params, prompt_param="text",
+        return_logprob=body.return_logprob, logprob_start_len=body.logprob_start_len,
+        top_logprobs_num=body.top_logprobs_num, stream=body.stream, cache_salt=body.cache_salt,
+    )
+    _assign_rids(reqs, body.rid)
+    manager.check_capacity(len(reqs))
+    token_text = TokenText(state.tokenizer) if body.return_text_in_logprobs else None
+    if body.stream:
+        built = [manager.build_request(r) for r in reqs]
+        merged = merge_streams([manager.generate(b) for b in built])
+        chunks = await cancel_on_disconnect(request, primed(merged))
+        return sse_response(_stream(chunks, is_batch, token_text))
+    results = await cancel_on_disconnect(request, generate_batch(manager, reqs))
+    results = [_with_token_text(r, token_text) for r in results]
+    return JSONResponse(results if is_batch else results[0])
+
+
+def _assign_rids(reqs: list[GenerateReqInput], rid: str | list[str] | None) -> None:
+    """One rid for a single request, or one per request of a batch."""
+    if rid is None:
+        return
+    rids = [rid] if isinstance(rid, str) else rid
+    if len(rids) != len(reqs):
+        raise bad_request(f"rid gives {len(rids)} id(s) for {len(reqs)} request(s) (prompts x n)", param="rid")
+    if len(set(rids)) < len(rids):
+        raise bad_request("the request ids of a batch must be distinct", param="rid")
+    for req, one in zip(reqs, rids):
+        req.rid = one
+
+
+async def _stream(chunks: AsyncIterator[tuple[int, dict[str, Any]]], is_batch: bool,
+                  token_text: TokenText | None) -> AsyncIterator[str]:
+    """Cumulative text and ids per request, as SGLang streams them."""
+    text: dict[int, str] = {}
+    ids: dict[int, list[int]] = {}
+    async for index, chunk in chunks:
+        text[index] = text.get(index, "") + chunk["text"]
+        ids.setdefault(index, []).extend(chunk["output_ids"])
+        out = _with_token_text({**chunk, "text": text[index], "output_ids": list(ids[index])}, token_text)
+        if is_batch:
+            out["index"] = index
+        yield sse(out)
+    yield SSE_DONE
+
+
+def _with_token_text(result: dict[str, Any], token_text: TokenText | None) -> dict[str, Any]:
+    """Fill each (logprob, token_id, None) triple's text when `return_text_in_logprobs`."""
+    if token_text is None:
+        return result
+    meta = dict(result["meta_info"])
+    for key in ("output_token_logprobs", "input_token_logprobs"):
+        if meta.get(key):
+            meta[key] = [(lp, tid, token_text(tid)) for lp, tid, _ in meta[key]]
+    for key in ("output_top_logprobs", "input_top_logprobs"):
+        if meta.get(key):
+            meta[key] = [None if top is None else [(lp, tid, token_text(tid)) for lp, tid, _ in top]
+                         for top in meta[key]]
+    return {**result, "meta_info": meta}
+
+
+# ---- health and info ---------------------------------------------------------
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 while the scheduler is alive and the server takes requests, else 503."""
+    state = get_state(request)
+    manager = state.live_manager()
+    if manager.dead_reason is not None:
+        raise APIError(503, manager.dead_reason, type="server_error", code="engine_dead")
+    return Response(status_code=200)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """200 when the server generates one token within the timeout, else 503."""
+    manager = get_state(request).live_manager()
+    req = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0},
+                           rid=f"health-{uuid.uuid4().hex}")
+    try:
+        await asyncio.wait_for(generate_batch(manager, [req]), HEALTH_GENERATE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise APIError(503, "the server did not generate a token in time", type="server_error") from None
+    return Response(status_code=200)
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> dict[str, Any]:
+    state = get_state(request)
+    info = state.model_info
+    return {
+        "model_path": state.server_args.model.model_path or info.checkpoint,
+        "tokenizer_path": info.checkpoint,
+        "served_model_name": state.model_name,
+        "is_generation": True,
+        **info.__dict__,
+    }
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request) -> dict[str, Any]:
+    """Server args, model facts and live figures (running/queued requests, KV slots, cache hit rate)."""
+    state = get_state(request)
+    manager = state.live_manager()
+    live = await manager.get_info()
+    return {**_public_args(state), **state.model_info.__dict__, **live,
+            "num_in_flight_reqs": len(manager.rid_to_state), "version": __version__}
+
+
+def _public_args(state: ServerState) -> dict[str, Any]:
+    args = state.server_args.to_dict()
+    if args.get("api_key"):
+        args["api_key"] = "<redacted>"
+    return args
+
+
+# ---- control -----------------------------------------------------------------
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> dict[str, Any]:
+    """Empty the radix cache; 400 while requests are in flight."""
+    if not await get_state(request).live_manager().flush_cache():
+        raise bad_request("the cache cannot be flushed while requests are in flight")
+    return {"success": True, "message": "Cache flushed."}
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request) -> dict[str, Any]:
+    """Abort one request by id (`{"rid": ...}`) or all (`{"abort_all": true}`); unknown ids are ignored."""
+    body = await parse_body(request, AbortRequest)
+    manager = get_state(request).live_manager()
+    rids = list(manager.rid_to_state) if body.abort_all else [body.rid]
+    for rid in rids:
+        await manager.abort_request(rid)
+    return {"success": True}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus text exposition."""
+    state = get_state(request)
+    state.metrics.update_from_scheduler(await state.live_manager().get_info())
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,152 @@
+"""`POST /v1/chat/completions`: messages → chat template → n requests → OpenAI's answer.
+
+Choices run concurrently; streamed, each choice opens with a role delta,
+sends content deltas as tokens arrive and closes with a chunk that carries
+`finish_reason` and `matched_stop`; with `stream_options.include_usage` a last
+chunk with empty `choices` carries the usage, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from arborlm.runtime.server.chat import render_chat
+from arborlm.runtime.server.errors import bad_request
+from arborlm.runtime.server.openai_common import (
+    TokenText,
+    UsageCounter,
+    build_all,
+    chat_logprobs,
+    check_prompt_len,
+    choice_rid,
+    finish_reason,
+    last_logprobs,
+    max_new_tokens,
+    new_id,
+    now_s,
+    parse_body,
+    run_all,
+    sampling_params,
+    seeded,
+    stream_all,
+)
+from arborlm.runtime.server.protocol import ChatCompletionRequest
+from arborlm.runtime.server.state import get_state
+from arborlm.runtime.server.streaming import (
+    SSE_DONE,
+    cancel_on_disconnect,
+    primed,
+    sse,
+    sse_response,
+)
+from arborlm.runtime.tokenizer_manager import GenerateReqInput
+
+
+def check_tools(req: ChatCompletionRequest) -> None:
+    """The seam for tool calls (`tools`, `tool_choice`): refused until they are served.
+
+    `tool_choice="none"` with tools is served (the tools are not offered).
+    Messages that carry `tool_calls` or `tool_call_id` are accepted in the history.
+    """
+    if req.tools and req.tool_choice != "none":
+        raise bad_request("tool calls are not supported by this server yet", param="tools")
+
+
+@dataclass
+class ChatCall:
+    """What every chunk or answer of one call repeats."""
+
+    id: str
+    created: int
+    model: str
+    req: ChatCompletionRequest
+    token_text: TokenText
+
+    @property
+    def top_n(self) -> int:
+        return self.req.top_logprobs or 0
+
+    def logprobs(self, tokens: list, tops: list) -> dict[str, Any] | None:
+        return chat_logprobs(tokens, tops, self.token_text, self.top_n) if self.req.logprobs else None
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        out = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+               "model": self.model, "choices": choices}
+        if self.req.stream_options is not None and self.req.stream_options.include_usage:
+            out["usage"] = usage
+        return out
+
+
+async def chat_completions(request: Request) -> Response:
+    """Answer one chat completion request (JSON, or SSE when `stream`)."""
+    state = get_state(request)
+    req = await parse_body(request, ChatCompletionRequest)
+    state.check_model(req.model)
+    manager = state.live_manager()
+    check_tools(req)
+    input_ids = render_chat(state.tokenizer, req.messages, req.continue_final_message, req.chat_template_kwargs)
+    context = state.model_info.context_length
+    check_prompt_len(len(input_ids), context, "messages")
+    limit_param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+    limit = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+    params = sampling_params(req, max_new_tokens(limit, len(input_ids), context, limit_param))
+    reqs = [
+        GenerateReqInput(input_ids=input_ids, sampling_params=seeded(params, i), return_logprob=req.logprobs,
+                         top_logprobs_num=req.top_logprobs or 0, stream=req.stream,
+                         rid=choice_rid(req.rid, i, req.n), cache_salt=req.cache_salt)
+        for i in range(req.n)
+    ]
+    built = build_all(manager, reqs)
+    call = ChatCall(new_id("chatcmpl", req.rid), now_s(), state.model_name, req, TokenText(state.tokenizer))
+    if req.stream:
+        chunks = await cancel_on_disconnect(request, primed(stream_all(manager, built)))
+        return sse_response(_stream(call, chunks))
+    results = await cancel_on_disconnect(request, run_all(manager, built))
+    return JSONResponse(_answer(call, results))
+
+
+def _answer(call: ChatCall, results: list[dict[str, Any]]) -> dict[str, Any]:
+    usage = UsageCounter()
+    choices = []
+    for index, result in enumerate(results):
+        meta = result["meta_info"]
+        usage.add(meta, first_of_prompt=index == 0)
+        tokens, tops = last_logprobs(meta, len(result["output_ids"]))
+        choices.append({
+            "index": index,
+            "message": {"role": "assistant", "content": result["text"], "tool_calls": None},
+            "logprobs": call.logprobs(tokens, tops),
+            "finish_reason": finish_reason(meta),
+            "matched_stop": meta.get("matched_stop"),
+        })
+    return {"id": call.id, "object": "chat.completion", "created": call.created, "model": call.model,
+            "choices": choices, "usage": usage.to_dict()}
+
+
+async def _stream(call: ChatCall, chunks: AsyncIterator[tuple[int, dict[str, Any]]]) -> AsyncIterator[str]:
+    usage = UsageCounter()
+    for index in range(call.req.n):
+        yield sse(call.chunk([_delta(index, {"role": "assistant", "content": ""})]))
+    async for index, chunk in chunks:
+        meta = chunk["meta_info"]
+        logprobs = call.logprobs(*last_logprobs(meta, len(chunk["output_ids"])))
+        if chunk["text"] or (logprobs and logprobs["content"]):
+            yield sse(call.chunk([_delta(index, {"content": chunk["text"]}, logprobs)]))
+        reason = finish_reason(meta)
+        if reason is not None:
+            usage.add(meta, first_of_prompt=index == 0)
+            yield sse(call.chunk([_delta(index, {}, None, reason, meta.get("matched_stop"))]))
+    if call.req.stream_options is not None and call.req.stream_options.include_usage:
+        yield sse(call.chunk([], usage.to_dict()))
+    yield SSE_DONE
+
+
+def _delta(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
+           reason: str | None = None, matched_stop: Any = None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
+            "matched_stop": matched_stop}

@@ -1,0 +1,262 @@
+"""What `/v1/completions` and `/v1/chat/completions` share: the request body,
+OpenAI fields → `SamplingParams`, the scheduler's results → choices, usage and
+logprobs in OpenAI's shapes, and running the requests of one call together.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from arborlm.errors import InvalidRequestError
+from arborlm.runtime.io_struct import TokenizedGenerateReqInput
+from arborlm.runtime.server.errors import bad_request, validation_error
+from arborlm.runtime.server.protocol import ResponseFormat, SamplingRequest
+from arborlm.runtime.server.streaming import merge_streams
+from arborlm.runtime.tokenizer_manager import GenerateReqInput, TokenizerManager
+
+B = TypeVar("B", bound=BaseModel)
+
+# SamplingParams names that OpenAI's API spells differently.
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "input_ids": "prompt"}
+# Request fields copied as they are into SamplingParams when given.
+_SAME_NAME_FIELDS = (
+    "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "stop",
+    "top_k", "min_p", "repetition_penalty", "regex", "ebnf", "json_schema", "structural_tag",
+    "ignore_eos", "stop_token_ids", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+)
+
+
+async def parse_body(request: Request, model: type[B]) -> B:
+    """The JSON body validated as `model`.
+
+    Raises
+    ------
+    APIError: 400 for an empty or malformed body, or a field of the wrong type.
+    """
+    body = await request.body()
+    if not body.strip():
+        raise bad_request("the request body is empty; send a JSON object")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def openai_param(name: str | None) -> str | None:
+    """A `SamplingParams` field name as the OpenAI request spells it."""
+    return _OPENAI_NAMES.get(name, name) if name else name
+
+
+def max_new_tokens(requested: int | None, prompt_len: int, context_len: int, param: str) -> int:
+    """Tokens the answer may have: `requested`, or the rest of the context when None.
+
+    Raises
+    ------
+    APIError: 400 `context_length_exceeded` when prompt + requested exceed the context.
+    """
+    room = context_len - prompt_len
+    if requested is None:
+        return room
+    if requested > room:
+        raise bad_request(
+            f"this model's context is {context_len} tokens, but {prompt_len + requested} were requested "
+            f"({prompt_len} in the prompt, {requested} in the completion); reduce the prompt or {param}",
+            param=param, code="context_length_exceeded",
+        )
+    return requested
+
+
+def check_prompt_len(prompt_len: int, context_len: int, param: str) -> None:
+    """Raise 400 when the prompt leaves no room for one generated token."""
+    if prompt_len == 0:
+        raise bad_request("the prompt is empty", param=param)
+    if prompt_len >= context_len:
+        raise bad_request(
+            f"the prompt has {prompt_len} tokens; this model's context is {context_len} tokens "
+            "(prompt + at least one generated token)",
+            param=param, code="context_length_exceeded",
+        )
+
+
+def sampling_params(req: SamplingRequest, max_tokens: int) -> dict[str, Any]:
+    """The request's sampling fields as a `SamplingParams` dict (unset fields keep SGLang's defaults).
+
+    Raises
+    ------
+    APIError: 400 for two grammar constraints at once or a bad response_format.
+    """
+    params = {name: getattr(req, name) for name in _SAME_NAME_FIELDS if getattr(req, name) is not None}
+    params["max_new_tokens"] = max_tokens
+    if req.min_tokens is not None:
+        params["min_new_tokens"] = req.min_tokens
+    params.update(response_format_params(req.response_format))
+    given = [k for k in ("json_schema", "regex", "ebnf", "structural_tag") if k in params]
+    if len(given) > 1:
+        raise bad_request(f"give at most one output constraint (response_format, regex, ebnf, ...), got {given}",
+                          param=given[1])
+    return params
+
+
+def response_format_params(fmt: ResponseFormat | None) -> dict[str, Any]:
+    """`response_format` as grammar sampling fields.
+
+    `json_object` → any JSON object (OpenAI's JSON mode answers an object);
+    `json_schema` → that schema, every keyword enforced when `strict` is true,
+    else unsupported keywords are dropped from the grammar and the output is
+    still validated (`json_schema_lenient`).
+    """
+    if fmt is None or fmt.type == "text":
+        return {}
+    if fmt.type == "json_object":
+        return {"json_schema": {"type": "object"}}
+    spec = fmt.json_schema
+    return {"json_schema": spec.schema_, "json_schema_lenient": not spec.strict}
+
+
+def seeded(params: dict[str, Any], index: int) -> dict[str, Any]:
+    """The sampling dict of choice `index`: `seed + index` when a seed is given, so n choices differ."""
+    if index and params.get("seed") is not None:
+        return {**params, "seed": params["seed"] + index}
+    return dict(params)
+
+
+def choice_rid(rid: str | None, index: int, count: int) -> str | None:
+    """The request id of choice `index` of `count` (`rid`, or `rid-index` when several)."""
+    if rid is None:
+        return None
+    return rid if count == 1 else f"{rid}-{index}"
+
+
+def build_all(manager: TokenizerManager, reqs: list[GenerateReqInput]) -> list[TokenizedGenerateReqInput]:
+    """Validate and tokenize every request before any runs; check the queue has room for all.
+
+    Raises
+    ------
+    APIError: 400 for a bad field (named as the OpenAI request names it).
+    ServerOverloadedError: no room for them (503).
+    """
+    try:
+        built = [manager.build_request(r) for r in reqs]
+    except InvalidRequestError as e:
+        raise bad_request(e.message, openai_param(e.param)) from None
+    if len({b.rid for b in built}) < len(built):
+        raise bad_request("request ids of one call must be distinct", param="rid")
+    manager.check_capacity(len(built))
+    return built
+
+
+def stream_all(manager: TokenizerManager, built: list[TokenizedGenerateReqInput]
+               ) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+    """Run the requests together; (index, result) as results arrive (chunks when streaming)."""
+    return merge_streams([manager.generate(b) for b in built])
+
+
+async def run_all(manager: TokenizerManager, built: list[TokenizedGenerateReqInput]) -> list[dict[str, Any]]:
+    """Run non-streaming requests together; their final results in order.
+
+    Raises
+    ------
+    InvalidRequestError: one was refused by the scheduler (a grammar that did not compile);
+        the others are aborted.
+    """
+    results: list[dict[str, Any]] = [{} for _ in built]
+    async for index, result in stream_all(manager, built):
+        results[index] = result
+    return results
+
+
+def finish_reason(meta: dict[str, Any]) -> str | None:
+    """OpenAI's finish_reason from SGLang's dict: stop, length, or abort."""
+    reason = meta.get("finish_reason")
+    return None if reason is None else reason["type"]
+
+
+@dataclass
+class UsageCounter:
+    """Token counts of one call: the prompt counted once per prompt, whatever `n`."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, meta: dict[str, Any], first_of_prompt: bool) -> None:
+        self.completion_tokens += meta["completion_tokens"]
+        if first_of_prompt:
+            self.prompt_tokens += meta["prompt_tokens"]
+            self.cached_tokens += meta["cached_tokens"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+def new_id(prefix: str, rid: str | None) -> str:
+    return f"{prefix}-{rid or uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+class TokenText:
+    """Token id → its text, as logprob entries show it (decoded alone, cached)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+def last_logprobs(meta: dict[str, Any], count: int) -> tuple[list, list]:
+    """The logprob triples and top lists of the last `count` tokens (a stream chunk's own)."""
+    tokens = meta.get("output_token_logprobs") or []
+    tops = meta.get("output_top_logprobs") or []
+    start = max(0, len(tokens) - count)
+    return tokens[start:], tops[start:]
+
+
+def chat_logprobs(tokens: list, tops: list, token_text: TokenText, top_n: int) -> dict[str, Any]:
+    """OpenAI chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+
+    def entry(logprob: float, token_id: int) -> dict[str, Any]:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for i, (logprob, token_id, _) in enumerate(tokens):
+        top = tops[i] if i < len(tops) and top_n else []
+        content.append({**entry(logprob, token_id),
+                        "top_logprobs": [entry(lp, tid) for lp, tid, _ in top[:top_n]]})
+    return {"content": content}
+
+
+def completion_logprobs(tokens: list, tops: list, token_text: TokenText, top_n: int,
+                        text_offset: int = 0) -> dict[str, Any]:
+    """OpenAI completions `logprobs`: tokens, token_logprobs, top_logprobs, text_offset."""
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = text_offset
+    for i, (logprob, token_id, _) in enumerate(tokens):
+        text = token_text(token_id)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(logprob)
+        top = tops[i] if i < len(tops) else []
+        out["top_logprobs"].append({token_text(tid): lp for lp, tid, _ in top[:top_n]} if top_n else None)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out

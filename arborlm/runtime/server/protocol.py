@@ -1,0 +1,177 @@
+"""Request bodies of the HTTP API as pydantic models: OpenAI's fields plus SGLang's extras.
+
+Validation is strict about types (a string where a number belongs is a 400,
+not a coercion) and lenient about unknown fields, which are ignored as vLLM
+and SGLang ignore them, so clients that send newer OpenAI fields keep working.
+Ranges of sampling values are checked later by `SamplingParams.verify`, which
+names the field (`openai_common.openai_param` maps its names back to these).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    """`response_format.json_schema`: the schema and whether every keyword must be enforced."""
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """`text`, `json_object` (any JSON object) or `json_schema` (that schema)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        return self
+
+
+class SamplingRequest(_Body):
+    """The fields `/v1/completions` and `/v1/chat/completions` share.
+
+    OpenAI's: model, n, stream, stream_options, stop, temperature, top_p, seed,
+    presence_penalty, frequency_penalty, logit_bias, user, response_format.
+    SGLang's extras: top_k, min_p, repetition_penalty, regex, ebnf, json_schema,
+    structural_tag, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
+    spaces_between_special_tokens, no_stop_trim, rid, cache_salt.
+    """
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    # SGLang's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    rid: str | None = None
+    cache_salt: str | None = None
+
+
+class CompletionRequest(SamplingRequest):
+    """`POST /v1/completions`; `prompt` is a string, strings, token ids or lists of token ids."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ContentPart(_Body):
+    """One part of a message's content; only `text` parts are served."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    """One chat message; `content` is a string or a list of parts."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """`POST /v1/chat/completions`.
+
+    `max_completion_tokens` wins over `max_tokens` (OpenAI deprecated the latter);
+    without either, the answer may run to the end of the context.
+    `continue_final_message` continues a final assistant message (assistant
+    prefill) instead of opening a new assistant turn.
+    """
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+
+class GenerateRequest(_Body):
+    """`POST /generate`, SGLang's native request: one prompt or a batch.
+
+    `rid` is one id, or one per request of the batch (prompts × n).
+    `return_text_in_logprobs` fills the token text into each logprob triple.
+    """
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    rid: str | list[str] | None = None
+    cache_salt: str | None = None
+
+
+class AbortRequest(_Body):
+    """`POST /abort_request`: one request id, or every request."""
+
+    rid: str | None = None
+    abort_all: bool = False
+
+    @model_validator(mode="after")
+    def _one_target(self) -> AbortRequest:
+        if (self.rid is None) == (not self.abort_all):
+            raise ValueError("give rid or abort_all=true")
+        return self

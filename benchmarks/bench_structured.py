@@ -1,0 +1,251 @@
+"""Structured-output benchmark: schema coverage, validity, compile and mask time, throughput.
+
+On the default model, in one run:
+
+1. coverage per JSONSchemaBench sub-dataset and backend: schemas accepted by the
+   front (normalised, not refused) and compiled within the timeout / total;
+2. validity: one generation per covered schema (temperature 1.0); every
+   output that finished with "stop" must parse and validate with `jsonschema`
+   (outputs cut by `max_new_tokens` are counted apart);
+3. compile time p50 / p95 (seconds) and per-token mask fill time p50 / p99 (µs);
+4. output tok/s of 16 JSON-schema requests against the same requests
+   unconstrained (each with the constrained output's length, `ignore_eos`);
+5. decode steps saved by jump-forward (the same constrained batch with it off).
+
+The scheduler runs in this process (the same loop the Engine runs in its own
+process), so its counters can be read directly. Results go to
+`benchmarks/results/structured.json` and a markdown table on stdout.
+
+    python benchmarks/bench_structured.py            # full run
+    python benchmarks/bench_structured.py --quick    # 8 schemas per sub-dataset
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jsonschema
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from arborlm.constrained.base import GrammarError  # noqa: E402
+from arborlm.constrained.grammar_manager import GrammarManager, create_grammar_backend  # noqa: E402
+from arborlm.constrained.grammar_spec import grammar_spec_from_params  # noqa: E402
+from arborlm.runtime.config import ServerArgs  # noqa: E402
+from arborlm.runtime.io_struct import TokenizedGenerateReqInput  # noqa: E402
+from arborlm.runtime.model_loader import resolve_checkpoint  # noqa: E402
+from arborlm.runtime.sampling import SamplingParams  # noqa: E402
+from arborlm.runtime.scheduler import Scheduler  # noqa: E402
+
+DATA = ROOT.parent / "shared" / "data" / "jsonschemabench"
+RESULTS = ROOT / "benchmarks" / "results"
+BACKENDS = ("xgrammar", "outlines")
+
+
+def load_schemas(per_subset: int | None) -> dict[str, list[tuple[str, dict]]]:
+    subsets = {}
+    for path in sorted(DATA.glob("*.jsonl")):
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        subsets[path.stem] = [(r["id"], r["schema"]) for r in records[:per_subset]]
+    return subsets
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def compile_all(backend_name, tokenizer, eos_ids, subsets, timeout_s):
+    """Front check + compile every schema; returns {id: spec} of the covered ones and per-id status."""
+    backend = create_grammar_backend(backend_name, tokenizer, 49152, eos_ids)
+    manager = GrammarManager(backend, compile_timeout=timeout_s)
+    specs, status, pending = {}, {}, {}
+    for sid, schema in (item for items in subsets.values() for item in items):
+        try:
+            spec = grammar_spec_from_params(SamplingParams(json_schema=schema), backend_name)
+        except GrammarError as e:
+            status[sid] = f"refused: {e.message[:120]}"
+            continue
+        specs[sid] = spec
+        pending[sid] = manager.request(spec.key)
+    with tqdm(total=len(pending), desc=f"compile {backend_name}", file=sys.stderr) as bar:
+        while pending:
+            manager.wait_any(list(pending.values()), 0.5)
+            now = time.monotonic()
+            for sid, p in list(pending.items()):
+                try:
+                    if p.result(now) is None:
+                        continue
+                    status[sid] = "compiled"
+                except GrammarError as e:
+                    status[sid] = f"failed: {e.message[:120]}"
+                    specs.pop(sid)
+                del pending[sid]
+                bar.update(1)
+    compile_times = list(manager.stats()["compile_times_s"])
+    manager.shutdown()
+    return specs, status, compile_times
+
+
+def make_scheduler(model_dir, tokenizer, **kw) -> Scheduler:
+    return Scheduler(ServerArgs.from_kwargs(model=str(model_dir), max_total_tokens=65536, **kw), tokenizer=tokenizer)
+
+
+def run(scheduler: Scheduler, reqs: list[TokenizedGenerateReqInput], desc: str):
+    """Step until idle; returns ({rid: tokens}, {rid: finish}, seconds)."""
+    for r in reqs:
+        scheduler.add_request(r)
+    tokens, finish = {}, {}
+    start = time.perf_counter()
+    with tqdm(total=len(reqs), desc=desc, file=sys.stderr) as bar:
+        while scheduler.has_work():
+            for out in scheduler.step():
+                tokens.setdefault(out.rid, []).extend(out.new_token_ids)
+                if out.finish_reason is not None:
+                    finish[out.rid] = out.finish_reason
+                    bar.update(1)
+    return tokens, finish, time.perf_counter() - start
+
+
+def request(rid, prompt_ids, params: SamplingParams, seed: int, backend: str | None):
+    params.verify(49152)
+    params = params.normalized()
+    grammar = grammar_spec_from_params(params, backend) if backend else None
+    return TokenizedGenerateReqInput(rid=rid, input_ids=prompt_ids, sampling_params=params, seed=seed, grammar=grammar)
+
+
+def validity(model_dir, tokenizer, prompt_ids, backend_name, specs, schemas, max_new_tokens):
+    """Generate once per covered schema; count valid / invalid among 'stop', and 'length' / aborts."""
+    sched = make_scheduler(model_dir, tokenizer, grammar_backend=backend_name, grammar_compile_timeout=600.0)
+    reqs = [request(sid, prompt_ids, SamplingParams(json_schema=schemas[sid], temperature=1.0,
+                                                    max_new_tokens=max_new_tokens), i, backend_name)
+            for i, sid in enumerate(specs)]
+    tokens, finish, _ = run(sched, reqs, f"generate {backend_name}")
+    counts = {"valid": 0, "invalid": 0, "length": 0, "abort": 0}
+    invalid = []
+    for sid in specs:
+        kind = finish[sid]["type"]
+        if kind != "stop":
+            counts["length" if kind == "length" else "abort"] += 1
+            continue
+        text = tokenizer.decode(tokens[sid], skip_special_tokens=True)
+        try:
+            jsonschema.validate(json.loads(text), schemas[sid])
+            counts["valid"] += 1
+        except (ValueError, jsonschema.ValidationError) as e:
+            counts["invalid"] += 1
+            invalid.append((sid, str(e)[:200]))
+    mask_us = [t * 1e6 for t in sched.output_processor.mask_fill_seconds]
+    return counts, invalid, mask_us
+
+
+def throughput(model_dir, tokenizer, prompt_ids, schemas: list[dict], max_new_tokens: int):
+    """Constrained (jump-forward on and off) against unconstrained with equal output lengths."""
+    out = {}
+    lengths = None
+    for mode in ("constrained", "constrained_no_jump_forward", "unconstrained"):
+        sched = make_scheduler(model_dir, tokenizer, disable_jump_forward=mode != "constrained")
+        reqs = []
+        for i, schema in enumerate(schemas):
+            if mode == "unconstrained":
+                params = SamplingParams(temperature=1.0, max_new_tokens=lengths[i], ignore_eos=True)
+            else:
+                params = SamplingParams(json_schema=schema, temperature=1.0, max_new_tokens=max_new_tokens)
+            reqs.append(request(str(i), prompt_ids, params, i, None if mode == "unconstrained" else "xgrammar"))
+        if mode != "unconstrained":  # compile outside the timed run
+            for r in reqs:
+                pending = sched.grammar_manager.request(r.grammar.key)
+                while pending.result() is None:
+                    sched.grammar_manager.wait_any([pending], 1.0)
+        tokens, _, seconds = run(sched, reqs, mode)
+        if mode == "constrained":
+            lengths = [max(1, len(tokens[str(i)])) for i in range(len(schemas))]
+        n = sum(len(t) for t in tokens.values())
+        out[mode] = {"seconds": seconds, "output_tokens": n, "tok_per_s": n / seconds,
+                     "decode_steps": sched.stats["num_decode_steps"],
+                     "jump_forward_tokens": sched.stats["num_jump_forward_tokens"],
+                     "jump_forward_steps": sched.stats["num_jump_forward_steps"]}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="8 schemas per sub-dataset")
+    parser.add_argument("--per-subset", type=int, default=None, help="schemas per sub-dataset (default all)")
+    parser.add_argument("--backends", default=",".join(BACKENDS))
+    parser.add_argument("--compile-timeout", type=float, default=60.0, help="seconds per schema")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=16, help="requests in the throughput comparison")
+    args = parser.parse_args()
+    per_subset = 8 if args.quick else args.per_subset
+
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_checkpoint(None)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    eos_ids = [tokenizer.eos_token_id]
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Produce one JSON document."}], tokenize=False, add_generation_prompt=True
+    )
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    subsets = load_schemas(per_subset)
+    schemas = {sid: s for items in subsets.values() for sid, s in items}
+    record: dict = {"date": time.strftime("%Y-%m-%d"), "per_subset": per_subset, "backends": {}}
+
+    for backend_name in args.backends.split(","):
+        specs, status, compile_times = compile_all(backend_name, tokenizer, eos_ids, subsets, args.compile_timeout)
+        counts, invalid, mask_us = validity(model_dir, tokenizer, prompt_ids, backend_name, specs, schemas,
+                                            args.max_new_tokens)
+        coverage = {name: sum(status[sid] == "compiled" for sid, _ in items) / len(items)
+                    for name, items in subsets.items()}
+        record["backends"][backend_name] = {
+            "coverage": coverage,
+            "status": status,
+            "validity": counts,
+            "invalid": invalid,
+            "compile_s_p50": percentile(compile_times, 50),
+            "compile_s_p95": percentile(compile_times, 95),
+            "mask_us_p50": percentile(mask_us, 50),
+            "mask_us_p99": percentile(mask_us, 99),
+        }
+
+    glaive = [s for _, s in subsets["Glaiveai2K"]][: args.batch]
+    glaive += [s for _, s in subsets["Github_easy"]][: args.batch - len(glaive)]
+    record["throughput"] = throughput(model_dir, tokenizer, prompt_ids, glaive, args.max_new_tokens)
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "structured.json").write_text(json.dumps(record, indent=1))
+    print_tables(record, list(subsets))
+
+
+def print_tables(record: dict, subset_names: list[str]) -> None:
+    backends = record["backends"]
+    print("\n| sub-dataset | " + " | ".join(f"{b} coverage" for b in backends) + " |")
+    print("|---|" + "---|" * len(backends))
+    for name in subset_names:
+        print(f"| {name} | " + " | ".join(f"{backends[b]['coverage'][name]:.2f}" for b in backends) + " |")
+    print("\n| backend | valid / finished | cut by max_new_tokens | aborted | compile p50 / p95 (s) | mask p50 / p99 (µs) |")
+    print("|---|---|---|---|---|---|")
+    for b, r in backends.items():
+        v = r["validity"]
+        print(f"| {b} | {v['valid']} / {v['valid'] + v['invalid']} | {v['length']} | {v['abort']} | "
+              f"{r['compile_s_p50']:.3f} / {r['compile_s_p95']:.3f} | {r['mask_us_p50']:.1f} / {r['mask_us_p99']:.1f} |")
+    t = record["throughput"]
+    base = t["unconstrained"]["tok_per_s"]
+    print("\n| batch of JSON requests | output tok/s | vs unconstrained | decode steps | jump-forward tokens |")
+    print("|---|---|---|---|---|")
+    for mode, r in t.items():
+        print(f"| {mode} | {r['tok_per_s']:.0f} | {r['tok_per_s'] / base:.2f}× | {r['decode_steps']} | "
+              f"{r['jump_forward_tokens']} |")
+
+
+if __name__ == "__main__":
+    main()

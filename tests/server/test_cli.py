@@ -1,0 +1,45 @@
+"""`arborlm serve` options are generated from `ServerArgs`; no server is started here."""
+
+from __future__ import annotations
+
+import pytest
+
+from arborlm.cli import build_parser, main, server_args_from
+from arborlm.runtime.config import ServerArgs
+
+
+def parse(*argv: str) -> ServerArgs:
+    return server_args_from(build_parser().parse_args(["serve", *argv]))
+
+
+def test_every_server_args_field_is_an_option():
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    dests = {action.dest for action in serve._actions}
+    assert set(ServerArgs.field_names()) <= dests
+
+
+def test_options_not_given_keep_the_defaults():
+    assert parse() == ServerArgs()
+
+
+@pytest.mark.parametrize("argv, field, value", [
+    (["--model", "/m"], "model_path", "/m"),
+    (["--model-path", "/m"], "model_path", "/m"),
+    (["--port", "8080"], "port", 8080),
+    (["--mem-fraction", "0.5"], "mem_fraction", 0.5),
+    (["--disable-radix-cache"], "disable_radix_cache", True),
+    (["--no-disable-jump-forward"], "disable_jump_forward", False),
+    (["--max-queued-requests", "3"], "max_queued_requests", 3),
+    (["--api-key", "k"], "api_key", "k"),
+    (["--schedule-policy", "fcfs"], "schedule_policy", "fcfs"),
+])
+def test_option_values(argv, field, value):
+    assert parse(*argv).to_dict()[field] == value
+
+
+@pytest.mark.parametrize("argv", [["--port", "99999"], ["--port", "x"], ["--dtype", "int3"], ["--log-level", "loud"]])
+def test_bad_values_exit_with_usage_error(argv, capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        main(["serve", *argv])
+    assert excinfo.value.code == 2
+    assert "error" in capsys.readouterr().err
