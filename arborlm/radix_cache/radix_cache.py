@@ -49,6 +49,8 @@ class TreeNode:
     value: (len(key),) int64 KV slots of those tokens.
     lock_ref: how many running requests (or other holders) pin this node.
     last_access_time: a tick of the cache's monotonic clock, for LRU eviction.
+    extra_key: the namespace of the path (a request's `cache_salt`); None for the
+        shared one. Paths of different namespaces never share a node.
     """
 
     _ids = itertools.count()
@@ -60,8 +62,10 @@ class TreeNode:
         parent: TreeNode | None,
         last_access_time: int,
         lock_ref: int = 0,
+        extra_key: str | None = None,
     ):
         self.id = next(TreeNode._ids)
+        self.extra_key = extra_key
         self.children: dict[ChildKey, TreeNode] = {}
         self.parent = parent
         self.key = key
@@ -159,7 +163,7 @@ class RadixCache:
 
     # ----------------------------------------------------------------- match
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
+    def match_prefix(self, key: list[int], extra_key: str | None = None) -> MatchResult:
         """Find the longest cached prefix of `key`.
 
         Splits a node when the match ends inside it, so that the returned
@@ -171,6 +175,9 @@ class RadixCache:
         ----------
         key:
             Token ids. With `page_size > 1` it is truncated to whole pages.
+        extra_key:
+            Namespace (a tenant's `cache_salt`): only paths inserted with the
+            same one match (SGLang's `RadixKey.extra_key`).
 
         Returns
         -------
@@ -181,16 +188,16 @@ class RadixCache:
         if self.disable:
             return MatchResult(_empty_slots(), self.root)
         key = self._page_aligned(key)
-        values, node = self._match(key)
+        values, node = self._match(key, extra_key)
         indices = torch.cat(values) if values else _empty_slots()
         return MatchResult(indices, node)
 
-    def _match(self, key: list[int]) -> tuple[list[torch.Tensor], TreeNode]:
+    def _match(self, key: list[int], extra_key: str | None) -> tuple[list[torch.Tensor], TreeNode]:
         node, values = self.root, []
         now = self._tick()
         node.last_access_time = now
         while key:
-            child = node.children.get(self._child_key(key))
+            child = node.children.get(self._child_key(key, extra_key))
             if child is None:
                 break
             child.last_access_time = now
@@ -205,7 +212,7 @@ class RadixCache:
 
     # ---------------------------------------------------------------- insert
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, extra_key: str | None = None) -> int:
         """Insert `key` with its KV slots `value`.
 
         Parameters
@@ -220,7 +227,7 @@ class RadixCache:
         -------
         int
             Length in tokens of the prefix of `key` that was already in the
-            tree. The caller frees its own slots for those tokens (beyond the
+            tree (in namespace `extra_key`). The caller frees its own slots for those tokens (beyond the
             prefix it got from `match_prefix`) as duplicates.
 
         Raises
@@ -234,15 +241,17 @@ class RadixCache:
         key = self._page_aligned(key)
         value = value[: len(key)].to("cpu", torch.int64).clone()
         # Walking the tree refreshes the access time of the path and splits a partly matched edge.
-        values, node = self._match(key)
+        values, node = self._match(key, extra_key)
         prefix_len = sum(len(v) for v in values)
         if prefix_len < len(key):
-            self._add_leaf(node, key[prefix_len:], value[prefix_len:], node.last_access_time)
+            self._add_leaf(node, key[prefix_len:], value[prefix_len:], node.last_access_time, extra_key)
         return prefix_len
 
-    def _add_leaf(self, parent: TreeNode, key: list[int], value: torch.Tensor, now: int) -> None:
-        leaf = TreeNode(list(key), value, parent, now)
-        parent.children[self._child_key(key)] = leaf
+    def _add_leaf(
+        self, parent: TreeNode, key: list[int], value: torch.Tensor, now: int, extra_key: str | None
+    ) -> None:
+        leaf = TreeNode(list(key), value, parent, now, extra_key=extra_key)
+        parent.children[self._child_key(key, extra_key)] = leaf
         self._evictable_size += len(key)
 
     def _split_node(self, child: TreeNode, split_len: int) -> TreeNode:
@@ -258,9 +267,10 @@ class RadixCache:
             child.parent,
             child.last_access_time,
             lock_ref=child.lock_ref,
+            extra_key=child.extra_key,
         )
-        upper.children = {self._child_key(child.key[split_len:]): child}
-        child.parent.children[self._child_key(upper.key)] = upper
+        upper.children = {self._child_key(child.key[split_len:], child.extra_key): child}
+        child.parent.children[self._child_key(upper.key, child.extra_key)] = upper
         child.parent = upper
         child.key = child.key[split_len:]
         child.value = child.value[split_len:]
@@ -274,6 +284,7 @@ class RadixCache:
         kv_indices: torch.Tensor,
         last_node: TreeNode,
         prefix_len: int,
+        extra_key: str | None = None,
     ) -> None:
         """Hand a finished request's KV to the tree and release its lock.
 
@@ -289,6 +300,8 @@ class RadixCache:
         prefix_len:
             How many leading slots of `kv_indices` came from the tree (tokens);
             they are owned by the tree and never freed here.
+        extra_key:
+            The request's namespace (`cache_salt`), as given to `match_prefix`.
 
         Notes
         -----
@@ -304,7 +317,7 @@ class RadixCache:
             allocator.free(kv_indices[prefix_len:])
             return
         aligned_len = len(self._page_aligned(token_ids))
-        new_prefix_len = self.insert(token_ids[:aligned_len], kv_indices[:aligned_len])
+        new_prefix_len = self.insert(token_ids[:aligned_len], kv_indices[:aligned_len], extra_key)
         allocator.free(kv_indices[prefix_len:new_prefix_len])
         allocator.free(kv_indices[aligned_len:])
         self.dec_lock_ref(last_node)
@@ -315,12 +328,13 @@ class RadixCache:
         kv_indices: torch.Tensor,
         last_node: TreeNode,
         prefix_len: int,
+        extra_key: str | None = None,
     ) -> MatchResult:
         """Insert what a running request has computed so far and move its lock.
 
         Parameters
         ----------
-        token_ids, kv_indices, last_node, prefix_len:
+        token_ids, kv_indices, last_node, prefix_len, extra_key:
             As in `cache_finished_req`.
 
         Returns
@@ -340,9 +354,9 @@ class RadixCache:
         if self.disable:
             return MatchResult(kv_indices, self.root)
         aligned_len = len(self._page_aligned(token_ids))
-        new_prefix_len = self.insert(token_ids[:aligned_len], kv_indices[:aligned_len])
+        new_prefix_len = self.insert(token_ids[:aligned_len], kv_indices[:aligned_len], extra_key)
         self.token_to_kv_pool_allocator.free(kv_indices[prefix_len:new_prefix_len])
-        match = self.match_prefix(token_ids[:aligned_len])
+        match = self.match_prefix(token_ids[:aligned_len], extra_key)
         assert len(match.device_indices) == aligned_len
         self.inc_lock_ref(match.last_node)
         self.dec_lock_ref(last_node)
@@ -385,7 +399,7 @@ class RadixCache:
 
     def _delete_leaf(self, node: TreeNode) -> TreeNode:
         parent = node.parent
-        del parent.children[self._child_key(node.key)]
+        del parent.children[self._child_key(node.key, node.extra_key)]
         self._evictable_size -= len(node.key)
         return parent
 
@@ -462,7 +476,7 @@ class RadixCache:
         for node in self._nodes():
             for child_key, child in node.children.items():
                 assert child.parent is node, f"{child} has a wrong parent"
-                assert child_key == self._child_key(child.key), f"{child} is under a wrong key"
+                assert child_key == self._child_key(child.key, child.extra_key), f"{child} is under a wrong key"
             if node is self.root:
                 continue
             assert node.key, f"{node} has an empty key"
@@ -515,10 +529,9 @@ class RadixCache:
     def _page_aligned(self, key: list[int]) -> list[int]:
         return list(key[: len(key) // self.page_size * self.page_size])
 
-    def _child_key(self, key: list[int]) -> ChildKey:
-        if self.page_size == 1:
-            return key[0]
-        return tuple(key[: self.page_size])
+    def _child_key(self, key: list[int], extra_key: str | None = None) -> ChildKey:
+        first = key[0] if self.page_size == 1 else tuple(key[: self.page_size])
+        return first if extra_key is None else (extra_key, first)
 
     def _key_match_len(self, key0: list[int], key1: list[int]) -> int:
         """Common prefix length of two keys, in tokens (whole pages when paged)."""

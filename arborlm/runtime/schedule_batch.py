@@ -37,6 +37,8 @@ class Req:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    # Namespace of this request's radix-cache paths (a tenant's salt); None: shared.
+    cache_salt: str | None = None
     output_ids: list[int] = field(default_factory=list)
     req_pool_idx: int | None = None
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))

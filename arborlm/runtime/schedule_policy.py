@@ -59,7 +59,7 @@ class SchedulePolicy:
             policy = "fcfs"
         if policy == "fcfs":
             return {}
-        matches = {r.rid: self.tree_cache.match_prefix(r.prefix_match_key()) for r in waiting_queue}
+        matches = {r.rid: self.tree_cache.match_prefix(r.prefix_match_key(), r.cache_salt) for r in waiting_queue}
         if policy == "lpm":
             waiting_queue.sort(key=lambda r: -len(matches[r.rid].device_indices))
         else:
@@ -68,12 +68,12 @@ class SchedulePolicy:
         return matches
 
     def _mark_in_batch_sharing(self, waiting_queue: list[Req], matches: dict[str, MatchResult]) -> None:
-        leaders: set[tuple[int, ...]] = set()
+        leaders: set[tuple] = set()
         for req in waiting_queue:
             cached = len(matches[req.rid].device_indices)
             if cached > IN_BATCH_CACHED_THRESHOLD or len(req.fill_ids) <= IN_BATCH_PREFIX_LEN:
                 continue
-            head = tuple(req.fill_ids[:IN_BATCH_PREFIX_LEN])
+            head = (req.cache_salt, *req.fill_ids[:IN_BATCH_PREFIX_LEN])
             if head in leaders:
                 self.deprioritized.add(req.rid)
             else:

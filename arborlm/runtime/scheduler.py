@@ -132,6 +132,7 @@ class Scheduler:
             return_logprob=recv.return_logprob,
             logprob_start_len=recv.logprob_start_len,
             top_logprobs_num=recv.top_logprobs_num,
+            cache_salt=recv.cache_salt,
         )
         # The front validates; this guards the in-process path against internal misuse.
         if not req.origin_input_ids or len(req.origin_input_ids) >= self.model_runner.context_length:
@@ -275,7 +276,7 @@ class Scheduler:
     def _admit(self, req: Req, adder: PrefillAdder, match: MatchResult | None) -> bool:
         """Lock the cached prefix (`match`, or a fresh one) and try to add `req`."""
         if match is None:
-            match = self.tree_cache.match_prefix(req.prefix_match_key())
+            match = self.tree_cache.match_prefix(req.prefix_match_key(), req.cache_salt)
         prefix_len = len(match.device_indices)
         if not adder.add_one_req(req, prefix_len, nothing_running=not self.running):
             return False
@@ -427,7 +428,8 @@ class Scheduler:
             return
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         match = self.tree_cache.cache_unfinished_req(
-            req.fill_ids[: req.kv_len], row[: req.kv_len].to(torch.int64), req.last_node, len(req.prefix_indices)
+            req.fill_ids[: req.kv_len], row[: req.kv_len].to(torch.int64), req.last_node, len(req.prefix_indices),
+            req.cache_salt,
         )
         row[: len(match.device_indices)] = match.device_indices.to(torch.int32)
         req.prefix_indices, req.last_node = match.device_indices, match.last_node
@@ -437,7 +439,9 @@ class Scheduler:
         if req.req_pool_idx is None:
             return
         kv_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].to(torch.int64)
-        self.tree_cache.cache_finished_req(req.fill_ids[: req.kv_len], kv_indices, req.last_node, len(req.prefix_indices))
+        self.tree_cache.cache_finished_req(
+            req.fill_ids[: req.kv_len], kv_indices, req.last_node, len(req.prefix_indices), req.cache_salt
+        )
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx = None
 

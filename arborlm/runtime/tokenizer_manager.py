@@ -194,16 +194,9 @@ class TokenizerManager:
 
     @staticmethod
     def _check_cache_salt(salt: Any) -> None:
-        """Refuse `cache_salt`: the scheduler's radix cache does not namespace prefixes yet,
-        and a salt silently ignored would let one tenant's prefixes serve another's."""
-        if salt is None:
-            return
-        if not isinstance(salt, str):
+        """A salt namespaces the request's radix-cache paths: only requests with the same salt share them."""
+        if salt is not None and not isinstance(salt, str):
             raise InvalidRequestError("cache_salt must be a string", param="cache_salt")
-        raise InvalidRequestError(
-            "cache_salt is not supported yet: this server's prefix cache is shared by all requests",
-            param="cache_salt",
-        )
 
     def _sampling_params(self, params: Any) -> SamplingParams:
         if params is None:

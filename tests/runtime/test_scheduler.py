@@ -234,3 +234,25 @@ def test_shared_prefix_in_one_batch_is_prefilled_once(make_scheduler):
     cold = make_scheduler(disable_radix_cache=True)
     run_to_completion(cold, [make_req(f"c{i}", system + q, max_new_tokens=3, ignore_eos=True) for i, q in enumerate(questions)])
     assert cold.stats["num_prefill_tokens_computed"] == total_prompt
+
+
+def test_cache_salt_keeps_tenants_apart(make_scheduler):
+    p = prompts(1, 40, 40, seed=11)[0]
+    sched = make_scheduler()
+
+    def cached(rid, salt):
+        req = make_req(rid, p, max_new_tokens=2, ignore_eos=True)
+        req.cache_salt = salt
+        sched.add_request(req)
+        out = None
+        while sched.has_work():
+            for o in sched.step():
+                out = o if o.finish_reason else out
+        return out.cached_tokens
+
+    assert cached("a1", "tenant-a") == 0
+    assert cached("a2", "tenant-a") == len(p) - 1
+    assert cached("b1", "tenant-b") == 0
+    assert cached("n1", None) == 0
+    assert cached("b2", "tenant-b") == len(p) - 1
+    sched.check_invariants()

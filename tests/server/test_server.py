@@ -283,7 +283,7 @@ BAD_REQUESTS = [
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}}, None),
     ("/v1/chat/completions", {"messages": MESSAGES, "regex": "(", "max_tokens": 2}, None),
     ("/v1/chat/completions", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "cache_salt": "tenant-a"}, "cache_salt"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "cache_salt": 5}, "cache_salt"),
     ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
      "tools"),
     ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
