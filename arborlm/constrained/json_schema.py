@@ -4,10 +4,11 @@
 xgrammar enforces without losing meaning, and refuses (a 400-style
 `GrammarError`, ``param="json_schema"``) every keyword the grammar would
 silently ignore, naming the keyword and its JSON pointer. With
-``lenient=True`` such keywords are dropped from the grammar instead and listed
-in `PreparedSchema.dropped`. `validate_json_output` checks a finished output
-against the user's original schema with ``jsonschema``, so whatever the
-grammar lets through, arborlm never returns JSON the schema rejects.
+``lenient=True`` (the ``json_schema_lenient`` sampling field) such keywords
+are left out of the grammar instead and listed in `PreparedSchema.dropped`.
+`validate_json_output` checks a finished output against the user's original
+schema with ``jsonschema``, so whatever the grammar lets through, arborlm never
+returns JSON the schema rejects.
 
 Pipeline
 --------
@@ -16,127 +17,146 @@ Pipeline
    whose metaschema accepts the schema, so a draft-4 style schema without
    ``$schema`` (boolean ``exclusiveMinimum``, ``items`` arrays) is read as
    draft 4 rather than refused. Validation uses the same dialect.
-2. Normalise, keeping the meaning (the result is a 2020-12 schema):
-   keywords the dialect's validator ignores (annotations such as ``title``,
-   ``description``, ``default``, ``examples``, unknown keywords, siblings of
-   ``$ref`` up to draft 7) are dropped; draft-4/7 forms become 2020-12 ones
-   (``items`` arrays → ``prefixItems``, boolean exclusive bounds → numeric,
-   ``dependencies`` → ``dependentRequired``/``dependentSchemas``, ``const`` →
-   ``enum``); every ``$ref`` is resolved (``$id``, anchors and JSON pointers,
-   with ``referencing``, as ``jsonschema`` does) and its target hoisted into
-   the root ``$defs`` under a readable name, so recursive schemas stay
-   recursive; ``allOf`` branches and the siblings of a ``$ref`` are merged
-   into one schema (types intersect, bounds tighten, ``properties`` merge
-   recursively, ``required`` unions, a property one side lists and the other
-   leaves to ``patternProperties``/``additionalProperties`` gets both schemas);
-   keywords beside ``anyOf``/``oneOf`` are distributed into every branch
-   (A ∧ (B ∨ C) = (A ∧ B) ∨ (A ∧ C); the same holds for ``oneOf``);
-   ``not`` of ``{}``, of a ``type`` or of ``required`` becomes a positive
-   schema; ``dependentRequired``/``dependentSchemas`` become an ``anyOf``
-   ("trigger absent" or "trigger present and its requirement holds").
-3. Lower for xgrammar: ``enum``/``const`` keep only the values the rest of
-   their schema accepts (xgrammar ignores the rest); names in ``required`` but
-   not in ``properties`` get a ``properties`` entry (xgrammar ignores them
-   otherwise); a property matched by ``patternProperties`` gets that schema
-   too; ``false`` subschemas (which xgrammar cannot compile) are removed by
-   dropping the forbidden property / item position / branch, or by removing
-   the type they make impossible; an unsatisfiable range removes its type;
-   integer bounds are rounded to integers; ``pattern`` is rewritten from
-   search semantics (JSON Schema's) to a full match (xgrammar's):
-   ``abc`` → ``^.*abc.*$``; ``minLength``/``maxLength`` beside a pattern of
-   one repeated atom (``^[a-z]+$``) are folded into its quantifier;
-   ``format`` beside ``pattern``/lengths is dropped (xgrammar would enforce
-   only the format). A few steps narrow without changing what is valid for
-   the user (every output they allow still satisfies the original schema):
-   an untyped schema with type-specific keywords gets the types those
-   keywords belong to (xgrammar itself does so for objects and arrays), an
-   optional property that must be absent is excluded with
-   ``additionalProperties: false`` when it was unset, a ``number`` with an
-   integral ``multipleOf`` becomes an ``integer``, integer bounds are
-   clamped to int64.
+2. Normalise, keeping the meaning (phase A; the result is a 2020-12 schema):
+   keywords the dialect's validator ignores are dropped (annotations such as
+   ``title``, ``description``, ``default``, ``examples``, ``$comment``,
+   ``deprecated``, ``readOnly``; unknown keywords; siblings of ``$ref`` up to
+   draft 7); draft-4/7 forms become 2020-12 ones (``items`` arrays →
+   ``prefixItems``, boolean exclusive bounds → numeric, ``dependencies`` →
+   dependent required/schemas, ``const`` → ``enum``); every ``$ref`` is
+   resolved (``$id``, anchors and JSON pointers, with ``referencing``, as
+   ``jsonschema`` does) and its target hoisted into the root ``$defs``, so
+   recursive schemas stay recursive; ``allOf`` branches and the siblings of a
+   ``$ref`` are merged into one schema (types intersect, bounds tighten,
+   ``properties`` merge recursively, ``required`` unions, a property one side
+   lists and the other leaves to ``patternProperties``/``additionalProperties``
+   gets both schemas; a recursive reference merged with other keywords becomes
+   a new ``$defs`` entry); keywords beside ``anyOf``/``oneOf`` are
+   distributed into every branch (A ∧ (B ∨ C) = (A ∧ B) ∨ (A ∧ C), and the
+   same for ``oneOf``); ``not`` of ``{}``, of a ``type`` or of ``required``
+   becomes a positive schema; each dependency becomes an ``anyOf`` ("trigger
+   absent" or "trigger present and its requirement holds").
+3. Lower for xgrammar (phase B): ``enum``/``const`` keep only the values the
+   rest of their schema accepts; a name in ``required`` but not in
+   ``properties`` gets a ``properties`` entry; ``false`` subschemas are
+   removed (a forbidden property is dropped and kept out of the patterns and
+   additionalProperties that would admit it, an unreachable item position
+   lowers ``maxItems``, a false branch goes, a type no value can have is
+   removed); integer bounds are rounded; ``pattern`` goes from JSON Schema's
+   search semantics to xgrammar's full match (``abc`` → ``^.*abc.*$``);
+   ``(...)?`` is written ``(...){0,1}``; ``minLength``/``maxLength`` beside
+   a pattern are dropped when the pattern implies them, or folded into a
+   pattern of one repeated atom (``^[a-z]+$`` → ``^[a-z]{1,64}$``);
+   ``format`` beside a pattern or lengths is dropped (it is an annotation);
+   a key pattern that also matches a listed property with another schema is
+   rewritten to exclude that name (a trie of the names, for the pattern shapes
+   ``^.*$``, ``^prefix.*$`` and ``^[class]*$``); ``propertyNames`` with a
+   pattern beside ``properties`` and ``additionalProperties`` becomes such a
+   key pattern.
+   Narrowing steps (outputs stay valid for the user; some valid values can no
+   longer be generated): an untyped schema with type-specific keywords gets
+   the types those keywords belong to (xgrammar does so itself for objects
+   and arrays); a ``number`` with an integral ``multipleOf`` becomes an
+   ``integer``; integer bounds are clamped to int64; a pattern with a
+   ``maxLength`` it does not imply has every unbounded repeat capped (at
+   least `MIN_REPEAT_CAP`) so the longest match fits; ``.`` never matches a
+   newline; an unset additionalProperties becomes false where a forbidden
+   property is dropped.
 4. Refuse (or, when lenient, drop and list) what is left that xgrammar does
    not enforce.
 
-xgrammar 0.2.9, measured (``Grammar.from_json_schema(s, any_whitespace=False,
-strict_mode=True)`` and ``GrammarMatcher.accept_string`` on violating and
-satisfying strings; "ignored" = a violating string is accepted, "error" =
-compilation raises; tests/constrained/test_json_schema.py pins these)
----------------------------------------------------------------------------
-=======================================  ======================================================
-keyword                                  xgrammar 0.2.9
-=======================================  ======================================================
-type (one or a list), enum, const        enforced; ``enum``/``const`` ignore every sibling
-properties, required, additionalProps    enforced; a ``required`` name missing from
-                                         ``properties`` is ignored; additionalProperties unset
-                                         = false (strict mode)
-patternProperties                        enforced, full match; a key matching two patterns
-                                         gets either schema; additionalProperties beside it
-                                         is ignored (narrower)
-propertyNames, min/maxProperties         enforced; propertyNames ignored beside
-                                         patternProperties
-unevaluatedProperties/Items (simple)     enforced like additionalProperties / items
-prefixItems, items, min/maxItems         enforced; a draft-4 ``items`` array is an error; no
-                                         ``items`` = only ``[]`` (strict mode)
-minimum/maximum/exclusive* (numbers)     enforced; bounds beyond int64 on integers and a
-                                         fractional bound on an integer are errors;
-                                         draft-4 boolean exclusive* is an error; an empty
-                                         range is an error; ignored on an untyped schema
-multipleOf                               enforced on integers with no bounds or a bounded
-                                         span under 10000; ignored (warning) with one bound, a
-                                         wider span or on ``number``
-minLength/maxLength                      enforced; ignored (warning) beside pattern or format
-pattern                                  enforced as a full match; lookahead ignored (warning);
-                                         backreferences, lookbehind, ``\\b``, ``\\p{..}`` are
-                                         errors; ignored beside format
-format                                   date-time, date, time, email, uuid, ipv4, ipv6, uri,
-                                         hostname, duration... enforced (narrower); unknown
-                                         formats ignored
-anyOf                                    enforced; keywords beside it ignored
-oneOf                                    enforced as anyOf (warning when branches may overlap)
-allOf                                    one branch enforced; several: ignored (warning, any
-                                         value); keywords beside it ignored
-$ref                                     ``#`` and ``#/...`` pointers enforced, recursion
-                                         works; keywords beside it ignored; anchors and
-                                         ``$id`` URIs ignored (warning, any value)
-not, if/then/else, uniqueItems,          ignored
+xgrammar 0.2.9, measured
+------------------------
+``Grammar.from_json_schema(s, any_whitespace=False, strict_mode=True)`` and
+``GrammarMatcher.accept_string`` on violating and satisfying strings
+("ignored": a violating string is accepted; "error": compiling raises).
+tests/constrained/test_json_schema.py pins these facts.
+
+=====================================  ==========================================================
+keyword                                xgrammar 0.2.9
+=====================================  ==========================================================
+type (one or a list), enum, const      enforced; ``enum``/``const`` ignore every sibling
+properties, required,                  enforced; a ``required`` name not in ``properties`` is
+additionalProperties                   ignored; with ``properties`` listed, unset
+                                       additionalProperties means false (strict mode); additional
+                                       keys exclude the listed names
+patternProperties                      enforced as a full match, but a key may take a pattern's
+                                       schema although it is listed in ``properties``, a key
+                                       matching two patterns gets either schema, and beside
+                                       listed properties additionalProperties may take a key
+                                       that matches a pattern
+propertyNames                          enforced alone; ignored beside patternProperties; admits
+                                       the names it matches despite ``additionalProperties:
+                                       false``; lets listed names take the additionalProperties
+                                       schema
+min/maxProperties                      enforced; ``minProperties`` above the listed properties
+                                       without additionalProperties is an error
+unevaluatedProperties/Items (simple)   enforced like additionalProperties / items
+prefixItems, items, min/maxItems       enforced; a draft-4 ``items`` array is an error; no
+                                       ``items`` allows only ``[]`` (strict mode); maxItems below
+                                       the prefixItems is an error
+minimum, maximum, exclusive*           enforced; ignored on an untyped schema; integer bounds
+                                       beyond int64 or fractional, boolean exclusive* and empty
+                                       ranges are errors
+multipleOf                             enforced on integers without bounds or with both bounds
+                                       less than 10000 apart; ignored (warning) with one bound, a
+                                       wider span, or on ``number``
+minLength/maxLength                    enforced; ignored (warning) beside pattern or format
+pattern                                enforced as a full match; ``(...)?`` is mis-compiled
+                                       (``^(a.*)?$`` accepts "b"); lookahead ignored (warning);
+                                       backreferences, lookbehind, ``\\b``, ``\\p{..}`` are
+                                       errors; ignored beside format
+format                                 date-time, date, time, email, uuid, ipv4, ipv6, uri,
+                                       hostname, duration... enforced (narrower); others ignored
+anyOf                                  enforced; keywords beside it ignored
+oneOf                                  enforced as anyOf (warning when branches may overlap)
+allOf                                  one branch enforced; several: any value (warning);
+                                       keywords beside it ignored
+$ref                                   ``#`` and ``#/...`` pointers enforced, recursion works;
+                                       keywords beside it ignored; anchors and ``$id`` URIs:
+                                       any value (warning)
+not, if/then/else, uniqueItems,        ignored
 contains, maxContains,
 dependentRequired, dependentSchemas,
 dependencies
-false (anywhere), empty enum             error
-=======================================  ======================================================
+false (anywhere), empty enum           error
+=====================================  ==========================================================
 
 Decisions
 ---------
-- ``oneOf``: accepted and compiled as ``anyOf`` (which is what every grammar
-  engine does); exclusivity is left to the final validation. Refusing
-  ``oneOf`` whose branches might overlap would cost much coverage (it is in
-  13% of JSONSchemaBench schemas, mostly with disjoint branches) for a case
-  the validation catches.
+- ``oneOf``: accepted and compiled as ``anyOf``, which is what grammar
+  engines enforce; exclusivity is left to the final validation. Refusing a
+  ``oneOf`` whose branches might overlap would cost coverage (it is in 13% of
+  the JSONSchemaBench sample, mostly with disjoint branches) for a case the
+  validation catches.
 - ``format``: validation runs without a format checker, as JSON Schema
   2020-12 and ``jsonschema`` do by default (``format`` is an annotation).
   xgrammar enforces the formats it knows, which only narrows the strings it
-  emits, so grammar and validation agree on every output.
-- Duplicate object keys: a grammar cannot forbid them (xgrammar lets
-  ``additionalProperties``/``patternProperties`` repeat a key); the final
-  validation rejects output with a duplicate key, NaN or Infinity.
-- Refused: ``not`` other than of ``{}``, a type or ``required``;
-  ``if``; ``contains`` (with ``minContains``/``maxContains``);
-  ``uniqueItems: true`` (unless at most one item); ``unevaluated*`` beside
-  in-place applicators; ``$dynamicRef``/``$recursiveRef``; a recursive
-  ``$ref`` that must be merged with sibling keywords; ``multipleOf`` that is
-  fractional or beside an unsupported range; two different ``pattern``s on
-  one string; ``minLength``/``maxLength`` beside a pattern that cannot absorb
-  them; a pattern with lookaround or a construct xgrammar cannot compile;
-  ``patternProperties`` with different schemas for several patterns, or that
-  admit a property which must be absent; ``propertyNames`` beside
-  ``patternProperties``; more than `MAX_BRANCHES` branches after
-  distribution.
+  emits, so every output it allows is valid either way.
+- Duplicate object keys: a grammar cannot forbid them (additional and
+  pattern keys may repeat); the final validation rejects an output with a
+  duplicate key, NaN or Infinity.
+- Refused: ``not`` other than of ``{}``, a type or ``required``; ``if``;
+  ``contains`` (and ``minContains``/``maxContains``); ``uniqueItems: true``
+  (unless at most one item); ``unevaluated*`` beside in-place applicators;
+  ``$dynamicRef``/``$recursiveRef``; ``multipleOf`` that is fractional or
+  beside an unsupported range; two different ``pattern``s on one string;
+  ``minLength``/``maxLength`` beside a pattern that cannot take them; a
+  pattern with lookaround, inline flags or a construct xgrammar cannot
+  compile; ``patternProperties`` with different schemas for several patterns,
+  or that must leave out names and have no supported shape;
+  ``additionalProperties`` beside patterns that do not cover every key;
+  ``propertyNames`` beside ``patternProperties``; more than `MAX_BRANCHES`
+  branches after distribution. A ``$ref`` that cannot be resolved inside the
+  document, a cycle of bare references, and a schema that accepts no value
+  are errors even when lenient.
 
 Sources: the JSON Schema 2020-12 core and validation specifications
-(json-schema.org), ``jsonschema`` 4.x and ``referencing`` (Python), xgrammar's
-``Grammar.from_json_schema`` documentation, and Geng et al., "Generating
-Structured Outputs from Language Models: Benchmark and Studies" (JSONSchemaBench,
-arXiv:2501.10868) for the coverage measure.
+(json-schema.org) and earlier drafts, ``jsonschema`` 4.x and ``referencing``
+(Python), xgrammar's ``Grammar.from_json_schema`` documentation and the
+measurements above, and Geng et al., "Generating Structured Outputs from
+Language Models: Benchmark and Studies" (JSONSchemaBench, arXiv:2501.10868) for
+the coverage measure.
 """
 
 from __future__ import annotations
@@ -195,6 +215,7 @@ _SPECIFICATIONS = {
     4: referencing.jsonschema.DRAFT4,
 }
 _TYPES = ("array", "boolean", "integer", "null", "number", "object", "string")
+_NON_OBJECT = ["array", "boolean", "null", "number", "string"]
 # Keywords that only constrain values of one type (`format` is left out: an annotation).
 _FAMILY_KEYWORDS = {
     "object": ("properties", "required", "additionalProperties", "patternProperties",
@@ -216,7 +237,7 @@ _COMPANIONS = {"if": ("then", "else"), "contains": ("minContains", "maxContains"
 class PreparedSchema:
     """A JSON schema ready to compile, with what is needed to validate outputs.
 
-    text: the normalised schema to compile, ``json.dumps(..., sort_keys=True)``
+    text: the normalised schema to compile, ``json.dumps`` in the user's property order
         (a 2020-12 schema; every ``$ref`` points into its root ``$defs``).
     original: the user's schema, the same way serialised; outputs are validated
         against it.
@@ -265,13 +286,14 @@ def prepare_json_schema(schema: str | dict | bool, *, lenient: bool = False) -> 
         return PreparedSchema("{}", original, (), dialect)
     if raw is False:
         raise GrammarError("json_schema is `false`, which accepts no value", PARAM)
-    normaliser = _Normaliser(raw, cls, lenient)
+    normaliser = _Normaliser(raw, cls)
     doc = normaliser.run()
     problems = normaliser.problems()
     if problems and not lenient:
         raise GrammarError(_refusal_message(problems), PARAM)
     dropped = tuple(f"{keyword} at {path or '/'}" for keyword, path, _ in problems)
-    return PreparedSchema(json.dumps(doc, sort_keys=True), original, dropped, dialect)
+    # Property order is kept: backends emit properties in schema order, and users rely on it.
+    return PreparedSchema(json.dumps(doc), original, dropped, dialect)
 
 
 def validate_json_output(prepared: PreparedSchema, text: str) -> str | None:
@@ -287,7 +309,10 @@ def validate_json_output(prepared: PreparedSchema, text: str) -> str | None:
     except ValueError as e:
         return f"output is not valid JSON: {e}"
     validator = _output_validator(prepared.original, prepared.dialect)
-    error = js_exceptions.best_match(validator.iter_errors(instance))
+    try:
+        error = js_exceptions.best_match(validator.iter_errors(instance))
+    except RecursionError:
+        return "output could not be validated: the JSON schema recurses without end"
     if error is None:
         return None
     where = _pointer(error.absolute_path) or "/"
@@ -496,10 +521,6 @@ def _tighter(a: tuple | None, b: tuple | None, pick: Callable) -> tuple | None:
     return pick([a, b])
 
 
-def _int_value(x: float) -> int | float:
-    return int(x) if isinstance(x, float) and x.is_integer() else x
-
-
 # ---------------------------------------------------------------------------
 # Regular expressions (JSON Schema patterns: ECMA-262 syntax, search semantics;
 # jsonschema evaluates them with Python's `re`; xgrammar matches them whole)
@@ -564,12 +585,26 @@ def _strip_lookarounds(pattern: str) -> str:
 def _full_match_pattern(pattern: str) -> str:
     """A pattern whose whole-string matches are exactly the original's search matches.
 
-    ``^a$`` stays; ``abc`` → ``^.*abc.*$``; ``^a|b$`` → ``^(?:a.*|.*b)$``.
-    Python's ``re.search`` gives the result the same matches, except that
-    ``.`` does not match a newline (narrower), so `jsonschema` and xgrammar
-    agree on it.
+    ``^a$`` stays; ``abc`` → ``^.*abc.*$``; ``^a|b$`` → ``^(?:a.*|.*b)$``;
+    ``(^a$)|(^b$)`` → ``^(?:(?:a)|(?:b))$``. Python's ``re.search`` gives the
+    result the same matches, except that ``.`` does not match a newline
+    (narrower), so `jsonschema` and xgrammar agree on it.
     """
+    body = _full_match_body(_regex_tokens(pattern))
+    if body.startswith("(?:") and _closing_paren(_regex_tokens(body), 0) == len(_regex_tokens(body)) - 1:
+        body = body[3:-1] if "|" not in body else body
+    return _optional_groups_as_ranges("^" + body + "$")
+
+
+def _optional_groups_as_ranges(pattern: str) -> str:
+    """``(...)?`` written ``(...){0,1}``: xgrammar 0.2.9 mis-compiles an optional group in a
+    JSON-schema pattern (``^(a.*)?$`` accepts ``"b"``), not the equivalent range."""
     tokens = _regex_tokens(pattern)
+    return "".join("{0,1}" if t == "?" and k > 0 and tokens[k - 1] == ")" else t for k, t in enumerate(tokens))
+
+
+def _full_match_body(tokens: list[str]) -> str:
+    """The unanchored body of `_full_match_pattern` for a token list."""
     alternatives, current, depth = [], [], 0
     for t in tokens:
         depth += t == "("
@@ -582,13 +617,35 @@ def _full_match_pattern(pattern: str) -> str:
     alternatives.append(current)
     parts = []
     for alt in alternatives:
+        if alt and alt[0] == "(" and _closing_paren(alt, 0) == len(alt) - 1 and not _group_opens(alt, 0):
+            inner = alt[1:-1]
+            if inner[:2] == ["?", ":"]:
+                inner = inner[2:]
+            elif inner[:1] == ["?"]:  # a named group or inline flags: leave it whole
+                inner = None
+            if inner is not None:
+                parts.append("(?:" + _full_match_body(inner) + ")")
+                continue
         starts = bool(alt) and alt[0] == "^"
         ends = len(alt) > starts and alt[-1] == "$"
-        core = "".join(alt[int(starts) : len(alt) - int(ends)])
-        parts.append(("" if starts else ".*") + core + ("" if ends else ".*"))
-    if len(parts) == 1:
-        return "^" + parts[0] + "$"
-    return "^(?:" + "|".join(parts) + ")$"
+        core_tokens = alt[int(starts) : len(alt) - int(ends)]
+        if not starts and core_tokens[:2] == [".", "*"]:
+            starts = True  # already open at the front
+        if not ends and core_tokens[-2:] == [".", "*"]:
+            ends = True
+        parts.append(("" if starts else ".*") + "".join(core_tokens) + ("" if ends else ".*"))
+    return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
+
+
+def _closing_paren(tokens: list[str], k: int) -> int:
+    """Index of the ")" that closes the "(" at tokens[k] (-1 when unbalanced)."""
+    depth = 0
+    for j in range(k, len(tokens)):
+        depth += tokens[j] == "("
+        depth -= tokens[j] == ")"
+        if depth == 0:
+            return j
+    return -1
 
 
 _ONE_ATOM = re.compile(
@@ -624,9 +681,10 @@ def _fold_lengths(pattern: str, min_length: int, max_length: int | None) -> str 
 
 
 def _is_vacuous(pattern: str) -> bool:
-    """True when every string contains a match (no anchors, and the empty string matches)."""
+    """True when every string contains a match: the empty string matches, and nothing but
+    ``^`` asserts anything about the text around a match (an empty match at 0 always exists)."""
     tokens = _regex_tokens(pattern)
-    if any(t in ("^", "$") or t in ("\\A", "\\Z", "\\b", "\\B", "\\z") for t in tokens):
+    if any(t == "$" or t in ("\\Z", "\\b", "\\B", "\\z") for t in tokens):
         return False
     return not _has_lookaround(pattern) and _search(pattern, "")
 
@@ -708,22 +766,26 @@ def _pattern_with_lengths(pattern: str, min_length: int, max_length: int | None)
 def _exclude_words(pattern: str, words: list[str]) -> str | None:
     """A full-match pattern for the strings ``pattern`` matches, except ``words``.
 
-    Only for patterns that match any string (``.*``, or no anchors and a
-    match of the empty string) or one ASCII character class repeated
-    (``^[a-zA-Z0-9_]*$``, ``^([a-z])+$``); None for others. The result spells
-    out the complement of the words as a trie: strings that leave the trie
-    early, or end where no word ends.
+    For patterns of three shapes (after `_full_match_pattern`): any string
+    (``^.*$``), a literal prefix then anything (``^x_.*$``), or one ASCII
+    character class repeated (``^[a-zA-Z0-9_]*$``, ``^([a-z])+$``); None for
+    others. The result spells out the complement of the words as a trie:
+    strings that leave the trie early, or end where no word ends.
     """
-    stripped = pattern.removeprefix("^").removesuffix("$")
-    if _is_vacuous(pattern) or stripped in (".*", "(.*)"):
-        alphabet, minimum = None, 0
+    full = _full_match_pattern(pattern)
+    prefix, alphabet, minimum = "", None, 0
+    literal = re.fullmatch(r"\^((?:[A-Za-z0-9_ :/@-]|\\[.\-/])*)\.\*\$", full)
+    if literal is not None:
+        prefix = re.sub(r"\\(.)", r"\1", literal.group(1))
     else:
-        m = re.fullmatch(r"\^(\(?)(\[(?:\\.|[^\]\\])+\])(\)?)([*+])\$", pattern)
+        m = re.fullmatch(r"\^(\(?)(\[(?:\\.|[^\]\\])+\])(\)?)([*+])\$", full)
         if m is None or bool(m.group(1)) != bool(m.group(3)) or not _ascii_class(m.group(2)):
             return None
         alphabet = [chr(c) for c in range(128) if re.fullmatch(m.group(2), chr(c))]
         minimum = 1 if m.group(4) == "+" else 0
-    words_set = {w for w in words if alphabet is None or all(c in alphabet for c in w)}
+    words_set = {w[len(prefix) :] for w in words if w.startswith(prefix)}
+    if alphabet is not None:
+        words_set = {w for w in words_set if all(c in alphabet for c in w)}
     if minimum:
         words_set.add("")
     any_char = "." if alphabet is None else _char_class(alphabet)
@@ -747,7 +809,7 @@ def _exclude_words(pattern: str, words: list[str]) -> str | None:
         body = "(?:" + "|".join(alternatives) + ")"
         return body if "" in ws else body + "?"
 
-    return "^" + complement(words_set) + "$"
+    return _optional_groups_as_ranges("^" + re.escape(prefix) + complement(words_set) + "$")
 
 
 def _ascii_class(cls: str) -> bool:
@@ -814,13 +876,12 @@ class _Normaliser:
     accept nothing stops growing.
     """
 
-    def __init__(self, root: dict, cls: type, lenient: bool):
+    def __init__(self, root: dict, cls: type):
         self.root = root
         self.year = _DRAFT_YEAR[cls]
         self.keywords = frozenset(cls.VALIDATORS).union(
             *(_COMPANIONS.get(k, ()) for k in cls.VALIDATORS))
         self.spec = _SPECIFICATIONS[self.year]
-        self.lenient = lenient
         self.root_resolver = Registry().resolver_with_root(self.spec.create_resource(root))
         self.paths: dict[int, str] = {}
         self._index_paths(root, "")
@@ -883,7 +944,10 @@ class _Normaliser:
                 self._index_paths(v, f"{path}/{i}")
 
     def _close_defs(self, root_a: Schema) -> None:
-        """Normalise every def reachable from ``root_a`` (phase A, before lowering)."""
+        """Normalise every def reachable from ``root_a`` (phase A, before lowering).
+
+        Raises GrammarError for a cycle of references that never reaches a schema.
+        """
         todo = list(_refs_in(root_a))
         seen: set[str] = set()
         while todo:
@@ -892,6 +956,13 @@ class _Normaliser:
                 continue
             seen.add(name)
             todo.extend(_refs_in(self.def_a(name)))
+        for name in seen:
+            chain = [name]
+            while isinstance(self.defs_a[chain[-1]], dict) and set(self.defs_a[chain[-1]]) == {"$ref"}:
+                chain.append(self.defs_a[chain[-1]]["$ref"][len(_DEFS_PREFIX) :])
+                if chain[-1] in chain[:-1]:
+                    where = self.targets[name][2] or "/"
+                    raise GrammarError(f"json_schema: the $ref at {where} only leads to itself", PARAM)
 
     # -- phase A: references -------------------------------------------------
 
@@ -900,7 +971,10 @@ class _Normaliser:
         try:
             resolved = resolver.lookup(ref)
         except Unresolvable as e:
-            raise GrammarError(f"json_schema: $ref {ref!r} at {path or '/'} cannot be resolved: {e}", PARAM) from e
+            why = {"PointerToNowhere": "no such location in the schema", "NoSuchAnchor": "no such anchor"}
+            raise GrammarError(f"json_schema: $ref {ref!r} at {path or '/'} cannot be resolved: "
+                               f"{why.get(type(e).__name__, 'not inside the schema (remote references are not fetched)')}",
+                               PARAM) from e
         target = resolved.contents
         if isinstance(target, bool):
             return {} if target else False
@@ -996,9 +1070,6 @@ class _Normaliser:
         self._dependencies(kw, parts, resolver, path)
         return self.merge(parts, path)
 
-    def _child(self, raw: Any, resolver: Any, path: str) -> Schema:
-        return self.node(raw, resolver, path)
-
     def _type_and_values(self, kw: dict, own: dict) -> None:
         if "type" in kw:
             own["type"] = _type_set(kw["type"])
@@ -1033,13 +1104,13 @@ class _Normaliser:
     def _arrays(self, kw: dict, own: dict, resolver: Any, path: str) -> None:
         items = kw.get("items")
         if isinstance(items, list):  # up to 2019-09: a tuple, then additionalItems
-            own["prefixItems"] = [self._child(s, resolver, f"{path}/items/{i}") for i, s in enumerate(items)]
+            own["prefixItems"] = [self.node(s, resolver, f"{path}/items/{i}") for i, s in enumerate(items)]
             if "additionalItems" in kw:
-                own["items"] = self._child(kw["additionalItems"], resolver, f"{path}/additionalItems")
+                own["items"] = self.node(kw["additionalItems"], resolver, f"{path}/additionalItems")
         elif "items" in kw:
-            own["items"] = self._child(items, resolver, f"{path}/items")
+            own["items"] = self.node(items, resolver, f"{path}/items")
         if "prefixItems" in kw:
-            own["prefixItems"] = [self._child(s, resolver, f"{path}/prefixItems/{i}")
+            own["prefixItems"] = [self.node(s, resolver, f"{path}/prefixItems/{i}")
                                   for i, s in enumerate(kw["prefixItems"])]
         for key in ("minItems", "maxItems"):
             if key in kw:
@@ -1052,24 +1123,24 @@ class _Normaliser:
             if any(k in kw for k in _IN_PLACE):
                 self.problem("unevaluatedItems", path, "beside in-place applicators")
             elif "items" not in own:
-                own["items"] = self._child(kw["unevaluatedItems"], resolver, f"{path}/unevaluatedItems")
+                own["items"] = self.node(kw["unevaluatedItems"], resolver, f"{path}/unevaluatedItems")
 
     def _objects(self, kw: dict, own: dict, resolver: Any, path: str) -> None:
         if "properties" in kw:
             own["properties"] = {
-                name: self._child(s, resolver, f"{path}/properties/{_escape(name)}")
+                name: self.node(s, resolver, f"{path}/properties/{_escape(name)}")
                 for name, s in kw["properties"].items()
             }
         if "patternProperties" in kw:
             own["patternProperties"] = {
-                pattern: self._child(s, resolver, f"{path}/patternProperties/{_escape(pattern)}")
+                pattern: self.node(s, resolver, f"{path}/patternProperties/{_escape(pattern)}")
                 for pattern, s in kw["patternProperties"].items()
             }
         if "additionalProperties" in kw:
-            own["additionalProperties"] = self._child(kw["additionalProperties"], resolver,
+            own["additionalProperties"] = self.node(kw["additionalProperties"], resolver,
                                                       f"{path}/additionalProperties")
         if "propertyNames" in kw:
-            own["propertyNames"] = self._child(kw["propertyNames"], resolver, f"{path}/propertyNames")
+            own["propertyNames"] = self.node(kw["propertyNames"], resolver, f"{path}/propertyNames")
         if kw.get("required"):
             own["required"] = list(dict.fromkeys(kw["required"]))
         for key in ("minProperties", "maxProperties"):
@@ -1079,7 +1150,7 @@ class _Normaliser:
             if any(k in kw for k in _IN_PLACE):
                 self.problem("unevaluatedProperties", path, "beside in-place applicators")
             elif "additionalProperties" not in own:
-                own["additionalProperties"] = self._child(kw["unevaluatedProperties"], resolver,
+                own["additionalProperties"] = self.node(kw["unevaluatedProperties"], resolver,
                                                           f"{path}/unevaluatedProperties")
 
     def _applicators(self, kw: dict, parts: list, resolver: Any, path: str) -> None:
@@ -1089,10 +1160,10 @@ class _Normaliser:
             if key in kw:
                 self.problem(key, path, "dynamic references are not supported")
         for i, branch in enumerate(kw.get("allOf", ())):
-            parts.append(self._child(branch, resolver, f"{path}/allOf/{i}"))
+            parts.append(self.node(branch, resolver, f"{path}/allOf/{i}"))
         for key in ("anyOf", "oneOf"):
             if key in kw:
-                parts.append({key: [self._child(b, resolver, f"{path}/{key}/{i}") for i, b in enumerate(kw[key])]})
+                parts.append({key: [self.node(b, resolver, f"{path}/{key}/{i}") for i, b in enumerate(kw[key])]})
         if "not" in kw:
             parts.append(self._negate(kw["not"], resolver, path))
         if "if" in kw and ("then" in kw or "else" in kw):
@@ -1100,7 +1171,7 @@ class _Normaliser:
 
     def _negate(self, raw: Any, resolver: Any, path: str) -> Schema:
         """A positive schema for ``not: raw``, or {} after recording a problem."""
-        negated = self._child(raw, resolver, f"{path}/not")
+        negated = self.node(raw, resolver, f"{path}/not")
         if negated is False:
             return {}
         if negated == {}:
@@ -1129,14 +1200,16 @@ class _Normaliser:
             for name, dep in kw.get(keyword, {}).items():
                 if isinstance(dep, list):
                     requirement: Schema = {"required": list(dep)} if dep else {}
-                else:
-                    requirement = self._child(dep, resolver, f"{path}/{keyword}/{_escape(name)}")
+                else:  # the schema applies to objects only, and only when `name` is present
+                    requirement = self.node(dep, resolver, f"{path}/{keyword}/{_escape(name)}")
+                    if name in kw.get("required", ()) and requirement != {}:
+                        requirement = self.merge([{"anyOf": [{"type": _NON_OBJECT}, requirement]}], path)
                 triggers.append((name, requirement))
         required = set(kw.get("required", ()))
         for name, requirement in triggers:
             if requirement == {}:
                 continue
-            if name in required:
+            if name in required:  # present in every object
                 parts.append(requirement)
                 continue
             present = self.merge([{"required": [name]}, requirement], path)
@@ -1433,6 +1506,9 @@ class _Normaliser:
         """The pattern xgrammar can enforce; None when it says nothing or has to be dropped."""
         if _is_vacuous(pattern):
             return None
+        if re.match(r"\(\?[a-zA-Z]+\)", pattern):
+            self.problem("pattern", path, f"inline flags in {pattern!r} are not ECMA-262 syntax", True)
+            return None
         if _has_lookaround(pattern):
             self.problem("pattern", path, f"lookaround in {pattern!r} is not supported", True)
             pattern = _strip_lookarounds(pattern)
@@ -1450,6 +1526,8 @@ class _Normaliser:
                 prefix = prefix[:i]
                 max_items = i if max_items is None else min(max_items, i)
                 break
+        if max_items is not None:
+            prefix = prefix[:max_items]  # positions no array reaches
         items = self.lower(node["items"], f"{path}/items") if "items" in node else {}
         if items is False:
             max_items = len(prefix) if max_items is None else min(max_items, len(prefix))
@@ -1466,6 +1544,7 @@ class _Normaliser:
         return True
 
     def _lower_object(self, node: dict, out: dict, path: str) -> bool:
+        """Write the object keywords into ``out``; False when no object satisfies them."""
         patterns = node.get("patternProperties", {})
         required = node.get("required", [])
         names = dict(node.get("properties", {}))
@@ -1477,96 +1556,140 @@ class _Normaliser:
             if matching:
                 names[name] = self.merge([names[name], *matching], path)
         property_names = self.lower(node.get("propertyNames", {}), f"{path}/propertyNames")
+        bad_names: set[str] = set()  # excluded by propertyNames itself
         if property_names not in ({}, False):
             check = self.checker.evolve(schema=node["propertyNames"])
-            names = {n: (s if check.is_valid(n) else False) for n, s in names.items()}
-        lowered = {n: self.lower(s, f"{path}/properties/{_escape(n)}") for n, s in names.items()}
-        if any(lowered[n] is False for n in required):
+            bad_names = {n for n in names if not check.is_valid(n)}
+        listed = {n: False if n in bad_names else self.lower(s, f"{path}/properties/{_escape(n)}")
+                  for n, s in names.items()}
+        if any(listed[n] is False for n in required):
             return False
         max_properties = 0 if property_names is False else node.get("maxProperties")
         if max_properties is not None and len(required) > max_properties:
             return False
         additional = node.get("additionalProperties")
         additional = None if additional is None else self.lower(additional, f"{path}/additionalProperties")
-        lowered_patterns = {p: self.lower(s, f"{path}/patternProperties/{_escape(p)}") for p, s in patterns.items()}
-        forbidden = [n for n, s in lowered.items() if s is False]
-        for name in forbidden:
-            del lowered[name]
-        additional, lowered_patterns, property_names = self._exclude_names(
-            forbidden, additional, lowered_patterns, property_names, path)
-        if lowered:
-            out["properties"] = lowered
+        lowered_patterns = {p: self.lower(s, f"{path}/patternProperties/{_escape(p)}")
+                            for p, s in patterns.items()}
+        additional, lowered_patterns = self._drop_false_patterns(additional, lowered_patterns, path)
+        forbidden = [n for n, s in listed.items() if s is False and n not in bad_names]
+        listed = {n: s for n, s in listed.items() if s is not False}
+        additional, lowered_patterns = self._close_patterns(listed, forbidden, additional, lowered_patterns, path)
+        if additional is False and not lowered_patterns:
+            property_names = {}  # only listed names remain, and they were checked against it
+        if property_names not in ({}, False):
+            additional, lowered_patterns, property_names = self._lower_property_names(
+                listed, property_names, additional, lowered_patterns, path)
+        min_properties = node.get("minProperties", 0)
+        if min_properties > len(listed) and not lowered_patterns:
+            if additional is False:
+                return False
+            if additional is None:
+                additional = {}  # strict mode would allow only the listed properties
+        if listed:
+            out["properties"] = listed
         if required:
             out["required"] = list(required)
         if additional is not None:
             out["additionalProperties"] = additional
-        self._lower_patterns(lowered_patterns, additional, out, path)
+        if lowered_patterns:
+            out["patternProperties"] = lowered_patterns
         if property_names not in ({}, False):
-            if lowered_patterns:
-                self.problem("propertyNames", path, "xgrammar ignores propertyNames beside patternProperties", True)
-            else:
-                out["propertyNames"] = property_names
-        if node.get("minProperties", 0) > 0:
-            out["minProperties"] = node["minProperties"]
+            out["propertyNames"] = property_names
+        if min_properties > 0:
+            out["minProperties"] = min_properties
         if max_properties is not None:
             out["maxProperties"] = max_properties
         return True
 
-    def _exclude_names(self, forbidden: list[str], additional: Schema | None, patterns: dict,
-                       property_names: Schema, path: str) -> tuple[Schema | None, dict, Schema]:
-        """Keep the optional properties ``forbidden`` (schema false) out of the object.
+    def _drop_false_patterns(self, additional: Schema | None, patterns: dict,
+                             path: str) -> tuple[Schema | None, dict]:
+        """Remove ``pattern: false`` entries; keys matching them become additional, which must then be false."""
+        false = [p for p, s in patterns.items() if s is False]
+        if not false:
+            return additional, patterns
+        if len(patterns) > 1 or additional not in (None, False):
+            for p in false:
+                self.problem("patternProperties", f"{path}/patternProperties/{_escape(p)}",
+                             "properties matching it must be absent, but other keywords admit them", True)
+        elif additional is None:
+            additional = False  # narrower: unmatched names were allowed
+        return additional, {p: s for p, s in patterns.items() if s is not False}
 
-        Such a name is dropped from ``properties``; what would then admit it
-        is closed: an unset additionalProperties becomes false, a pattern that
-        matches it is rewritten to exclude it, and additionalProperties that
-        admit it get a propertyNames pattern excluding it.
-        Returns the new additionalProperties, patternProperties and propertyNames.
+    def _close_patterns(self, listed: dict, forbidden: list[str], additional: Schema | None,
+                        patterns: dict, path: str) -> tuple[Schema | None, dict]:
+        """Make the key patterns xgrammar sees exclude what they must not admit.
+
+        xgrammar lets a key matching a pattern take the pattern's schema even
+        when the key is also listed in ``properties``; so a pattern is rewritten
+        to exclude the listed names it matches whose schema differs, and the
+        names that must be absent (``forbidden``, dropped from ``properties``).
+        A forbidden name no pattern matches is closed by additionalProperties
+        false when unset; additionalProperties that admit it become a pattern
+        for every other unlisted name. Returns additionalProperties and the
+        patterns (full-match, as xgrammar reads them).
         """
-        by_pattern: dict[str, list[str]] = {}
-        by_additional: list[str] = []
-        for name in forbidden:
-            matching = [p for p in patterns if _search(p, name)]
-            for p in matching:
-                by_pattern.setdefault(p, []).append(name)
-            if matching:
-                continue
-            if additional is None:
-                additional = False  # xgrammar's strict mode admits no unlisted name anyway
-            elif additional is not False:
-                by_additional.append(name)
-        out_patterns = {}
-        for p, schema in patterns.items():
-            if p in by_pattern and schema is not False:
-                narrowed = _exclude_words(p, by_pattern[p])
-                if narrowed is None:
-                    self.problem("properties", path, f"properties {by_pattern[p]} must be absent, but "
-                                                     f"patternProperties {p!r} admits them", True)
-                else:
-                    p = narrowed
-            out_patterns[p] = schema
-        if by_additional:
-            if property_names != {} or patterns:
-                self.problem("properties", path, f"properties {by_additional} must be absent, but "
-                                                 "additionalProperties admits them", True)
+        if patterns and additional not in (None, False):
+            if any(_full_match_pattern(p) == "^.*$" or _is_vacuous(p) for p in patterns):
+                additional = None  # every key matches a pattern: none is left for it
             else:
-                property_names = {"pattern": _exclude_words(".*", by_additional)}
-        return additional, out_patterns, property_names
-
-    def _lower_patterns(self, patterns: dict, additional: Schema | None, out: dict, path: str) -> None:
+                self.problem("additionalProperties", path, "beside patternProperties, xgrammar may give "
+                             "a key that matches a pattern the additionalProperties schema", True)
+        open_names = [n for n in forbidden if not any(_search(p, n) for p in patterns)]
+        if open_names and additional is None and (listed or patterns):
+            additional = False  # xgrammar's strict mode admits no unlisted name there anyway
+        elif open_names and additional is None:
+            patterns = {_exclude_words(".*", open_names): {}}  # any other name stays allowed
+            additional = False
+        elif open_names and additional is not False:
+            if patterns:
+                self.problem("properties", path, f"properties {open_names} must be absent, but "
+                                                 "additionalProperties admits them", True)
+            else:  # the additional keys become a pattern that leaves out the forbidden (and listed) names
+                patterns = {_exclude_words(".*", open_names + list(listed)): additional}
+                additional = False
+        by_pattern: dict[str, list[str]] = {}
+        for p, schema in patterns.items():
+            clash = [n for n, s in listed.items() if _search(p, n) and _canon(s) != _canon(schema)]
+            by_pattern[p] = clash + [n for n in forbidden if _search(p, n)]
+        if any(n in forbidden for ns in by_pattern.values() for n in ns) and additional is None:
+            additional = False  # the excluded names must not fall to an open additionalProperties
         kept = {}
-        for p, s in patterns.items():
-            if s is False:
-                if len(patterns) > 1 or additional not in (None, False):
-                    self.problem("patternProperties", f"{path}/patternProperties/{_escape(p)}",
-                                 "a pattern whose properties must be absent", True)
-                continue
+        for p, schema in patterns.items():
             usable = self._usable_pattern(p, f"{path}/patternProperties")
-            kept[_full_match_pattern(usable if usable is not None else ".*")] = s
+            usable = ".*" if usable is None else usable
+            full = _full_match_pattern(usable)
+            if by_pattern[p]:
+                narrowed = _exclude_words(full, by_pattern[p])
+                if narrowed is None:
+                    self.problem("patternProperties", f"{path}/patternProperties/{_escape(p)}",
+                                 f"it matches properties {by_pattern[p]} that must keep their own schema "
+                                 "(or be absent), and the grammar cannot exclude them from this pattern", True)
+                else:
+                    full = narrowed
+            kept[full] = schema
         if len({_canon(s) for s in kept.values()}) > 1:
             self.problem("patternProperties", path, "several patterns with different schemas: xgrammar checks "
                                                     "a key against one of them", True)
-        if kept:
-            out["patternProperties"] = kept
+        return additional, kept
+
+    def _lower_property_names(self, listed: dict, property_names: dict, additional: Schema | None,
+                              patterns: dict, path: str) -> tuple[Schema | None, dict, Schema]:
+        """xgrammar ignores propertyNames beside patternProperties, and lets a listed name take
+        the additionalProperties schema when propertyNames is given; so propertyNames with a
+        pattern becomes a pattern of its own that leaves out the listed names."""
+        if patterns:
+            self.problem("propertyNames", path, "xgrammar ignores propertyNames beside patternProperties", True)
+            return additional, patterns, {}
+        if not listed or additional is None:
+            return additional, patterns, property_names
+        own = {k: v for k, v in property_names.items() if k != "type"}
+        narrowed = _exclude_words(own["pattern"], list(listed)) if set(own) == {"pattern"} else None
+        if narrowed is None:
+            self.problem("propertyNames", path, "beside properties and additionalProperties, xgrammar would let "
+                                                "a listed property take the additionalProperties schema", True)
+            return additional, patterns, property_names
+        return False, {narrowed: additional}, {}
 
 
 def _mixed(p: dict) -> bool:

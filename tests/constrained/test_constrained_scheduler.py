@@ -19,7 +19,12 @@ from arborlm.constrained.grammar_spec import grammar_spec_from_params
 from arborlm.errors import InvalidRequestError
 from arborlm.runtime.io_struct import TokenizedGenerateReqInput
 from arborlm.runtime.sampling import SamplingParams
-from tests.runtime.scheduler_helpers import assert_idle_pools, create_scheduler, make_req, run_to_completion
+from tests.runtime.scheduler_helpers import (
+    assert_idle_pools,
+    create_scheduler,
+    make_req,
+    run_to_completion,
+)
 
 PROMPT = [1, 504, 3458, 314, 253, 1789, 28, 2]  # any ids: the model is random
 
