@@ -130,18 +130,6 @@ SAME_MASKS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(smollm_dir))
-
-
-@pytest.fixture(scope="module")
-def eos(tokenizer) -> int:
-    return tokenizer.eos_token_id
-
-
-@pytest.fixture(scope="module")
 def backends(tokenizer, eos) -> dict:
     return {
         "xgrammar": XGrammarBackend(tokenizer, VOCAB_SIZE, [eos], max_threads=2),

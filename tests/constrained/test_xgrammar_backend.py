@@ -57,18 +57,6 @@ INVALID = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(smollm_dir))
-
-
-@pytest.fixture(scope="module")
-def eos(tokenizer) -> int:
-    return tokenizer.eos_token_id
-
-
-@pytest.fixture(scope="module")
 def backend(tokenizer, eos):
     return XGrammarBackend(tokenizer, VOCAB_SIZE, [eos], max_threads=2)
 
