@@ -160,3 +160,31 @@ def test_bad_sampling_in_gen_is_typed_error_and_engine_keeps_serving(engine):
     with pytest.raises(InvalidRequestError, match="temperature"):
         bad.run(backend=engine)
     assert two_turns.run(question="still", backend=engine, temperature=0)["first"] is not None
+
+
+def test_gen_constraints_on_engine(engine):
+    """choices (regex metacharacters escaped), regex and a pydantic schema constrain a random model."""
+    import json
+    import re
+
+    from pydantic import BaseModel
+
+    class Point(BaseModel):
+        x: int
+        y: bool
+
+    @sgl.function
+    def program(s):
+        s += "Pick: " + sgl.gen("pick", choices=["a+b", "c.d", "(x)"], temperature=1.0, seed=5)
+        s += "\nCode: " + sgl.gen("code", regex=r"[A-Z]{3}-\d{2}", temperature=1.0, seed=6)
+        s += "\nPoint: " + sgl.gen("point", json_schema=Point, temperature=1.0, seed=7, max_tokens=64)
+
+    state = program.run(backend=engine)
+    assert state["pick"] in ("a+b", "c.d", "(x)")
+    assert re.fullmatch(r"[A-Z]{3}-\d{2}", state["code"])
+    if state.get_meta_info("point")["finish_reason"]["type"] == "stop":
+        Point.model_validate(json.loads(state["point"]))
+    with pytest.raises(InvalidRequestError):
+        sgl.gen("x", choices=[])
+    with pytest.raises(InvalidRequestError):
+        sgl.gen("x", regex="a", choices=["a"])
