@@ -2,7 +2,7 @@
 
 The public API mirrors SGLang's, so `import arborlm as sgl` runs SGLang programs:
 `function`, `gen`, `system`, `user`, `assistant`, `set_default_backend`, `Engine`,
-`SamplingParams`.
+`RuntimeEndpoint` (programs against a running server), `SamplingParams`.
 """
 
 from arborlm.frontend_lang.api import (
@@ -15,11 +15,13 @@ from arborlm.frontend_lang.api import (
     system,
     user,
 )
+from arborlm.frontend_lang.backend.runtime_endpoint import RuntimeEndpoint
 from arborlm.runtime.engine import Engine
 from arborlm.runtime.sampling import SamplingParams
 
 __all__ = [
     "Engine",
+    "RuntimeEndpoint",
     "SamplingParams",
     "SglFunction",
     "assistant",

@@ -225,7 +225,10 @@ class Scheduler:
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         """Jump-forward extends first, then prefill; otherwise every running request decodes one token."""
         if self.jump_forward_reqs:
-            reqs, self.jump_forward_reqs = self.jump_forward_reqs, []
+            # One extend step runs the forced tokens and, as one-token extends, every running
+            # request's decode token: jumping never costs the others a forward pass.
+            self.prepare_decode_memory(sum(r.seqlen - r.kv_len for r in self.jump_forward_reqs))
+            reqs, self.jump_forward_reqs = self.running + self.jump_forward_reqs, []
             for req in reqs:
                 req.extend_input_len = req.seqlen - req.kv_len
             self.stats["num_jump_forward_steps"] += 1
@@ -304,10 +307,10 @@ class Scheduler:
             self.tree_cache.evict(short)
         return self.allocator.alloc(num_tokens)
 
-    def prepare_decode_memory(self) -> None:
-        """Make room for one token per running request, retracting the youngest if needed."""
+    def prepare_decode_memory(self, extra_tokens: int = 0) -> None:
+        """Make room for one token per running request (plus `extra_tokens`), retracting the youngest if needed."""
         sched = self.server_args.scheduler
-        need = len(self.running)
+        need = len(self.running) + extra_tokens
         if self.allocator.available_size() + self.tree_cache.evictable_size() >= need:
             self.new_token_ratio = max(sched.min_new_token_ratio, self.new_token_ratio - sched.new_token_ratio_decay)
             return
@@ -373,6 +376,7 @@ class Scheduler:
                 continue
             rows.append(i)
         sampling_reqs = [batch.reqs[i] for i in rows]
+        running = set(map(id, self.running))
         logits = logits_output.next_token_logits
         sampled = self.output_processor.sample(sampling_reqs, logits if len(rows) == len(batch.reqs) else logits[rows])
         for req, token_id, logprob_info in zip(sampling_reqs, sampled.token_ids, sampled.logprob_infos):
@@ -386,7 +390,7 @@ class Scheduler:
                 self.release_req(req)
             elif forced:
                 self.jump_forward_reqs.append(req)
-            elif is_extend:
+            elif is_extend and id(req) not in running:
                 self.running.append(req)
         for req in batch.reqs:
             if req.to_abort and not req.finished:

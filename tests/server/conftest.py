@@ -1,4 +1,4 @@
-"""One `arborlm serve` process per test module, on the tiny random Llama, on a free port."""
+"""One `arborlm serve` process on the tiny random Llama, on a free port, shared by the test modules here."""
 
 from __future__ import annotations
 
@@ -75,17 +75,34 @@ def wait_idle(client: httpx.Client, timeout_s: float = 10.0) -> dict:
         time.sleep(0.05)
 
 
-@pytest.fixture(scope="module")
-def server(tiny_llama_dir, tmp_path_factory):
-    srv = start_server(tiny_llama_dir, tmp_path_factory.mktemp("server") / "server.log",
-                       "--max-running-requests", "16", "--max-queued-requests", "32")
-    yield srv
+def stop_server(srv: ServerProcess) -> None:
     if srv.process.poll() is None:
         srv.process.terminate()
         try:
             srv.process.wait(30)
         except subprocess.TimeoutExpired:
             srv.process.kill()
+
+
+@pytest.fixture(scope="session")
+def _servers():
+    """Every server started this session; stopped at its end."""
+    started: list[ServerProcess] = []
+    yield started
+    for srv in started:
+        stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tmp_path_factory, _servers):
+    """The tiny model's server, shared by the modules of this folder: started on first use,
+    and again only after a module has stopped it (test_server.py ends with SIGTERM)."""
+    if _servers and _servers[-1].process.poll() is None:
+        return _servers[-1]
+    srv = start_server(tiny_llama_dir, tmp_path_factory.mktemp("server") / "server.log",
+                       "--max-running-requests", "16", "--max-queued-requests", "32")
+    _servers.append(srv)
+    return srv
 
 
 @pytest.fixture

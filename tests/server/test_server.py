@@ -1,6 +1,7 @@
 """`arborlm serve` end to end on the tiny random Llama, driven by the `openai` client and httpx.
 
-One server for the module (see conftest.py); the last test shuts it down with SIGTERM.
+The server is shared with the other modules here (see conftest.py); the last test shuts it down
+with SIGTERM.
 """
 
 from __future__ import annotations
@@ -284,8 +285,9 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": MESSAGES, "regex": "(", "max_tokens": 2}, None),
     ("/v1/chat/completions", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
     ("/v1/chat/completions", {"messages": MESSAGES, "cache_salt": 5}, "cache_salt"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
-     "tools"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]},
+     "tools[0].function.parameters"),
     ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
     ("/v1/completions", {"prompt": []}, "prompt"),

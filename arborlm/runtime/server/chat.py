@@ -4,7 +4,8 @@ Messages become the dicts Hugging Face chat templates read (`role`, `content`
 as one string, `tool_calls`, `tool_call_id`, `name`); `developer` is rendered as
 `system`. Only text content parts are served. `continue_final_message` renders
 the final assistant message open (no end-of-turn) so the model continues it.
-Tool definitions are the tool-call feature's to pass (`tools=` of the template).
+Offered tools and the tool-call history are written as `tool_prompt.py` says:
+through the template when it supports tools, else into the messages.
 """
 
 from __future__ import annotations
@@ -13,16 +14,27 @@ from typing import Any
 
 from arborlm.runtime.server.errors import bad_request
 from arborlm.runtime.server.protocol import ChatMessage
+from arborlm.runtime.server.tool_prompt import (
+    content_with_calls,
+    history_tool_calls,
+    renders_tools,
+    tool_response,
+    with_tools_described,
+)
 
 TEXT_PART_SEPARATOR = "\n"
 
 
-def message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
+def message_dict(message: ChatMessage, index: int, native_tools: bool = False) -> dict[str, Any]:
     """One message as a chat-template dict.
+
+    `native_tools`: the template renders tool calls itself; otherwise calls and
+    tool results are written into the content (`tool_prompt.py`).
 
     Raises
     ------
-    APIError: 400 for a non-text content part, or missing content where it is required.
+    APIError: 400 for a non-text content part, missing content where it is
+        required, or tool calls that are not the assistant's or not JSON.
     """
     role = "system" if message.role == "developer" else message.role
     out: dict[str, Any] = {"role": role, "content": _content_text(message, index)}
@@ -31,7 +43,13 @@ def message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
     if message.tool_calls:
         if role != "assistant":
             raise bad_request("only assistant messages carry tool_calls", param=f"messages[{index}].tool_calls")
-        out["tool_calls"] = message.tool_calls
+        calls = history_tool_calls(message, index)
+        if native_tools:
+            out["tool_calls"] = calls
+        else:
+            out["content"] = content_with_calls(out["content"], calls)
+    if role == "tool" and not native_tools:
+        out["content"] = tool_response(out["content"])
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     return out
@@ -59,8 +77,11 @@ def _content_text(message: ChatMessage, index: int) -> str:
 
 
 def render_chat(tokenizer, messages: list[ChatMessage], continue_final_message: bool = False,
-                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                template_kwargs: dict[str, Any] | None = None,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:
     """The prompt's token ids for `messages` under the tokenizer's chat template.
+
+    `tools`: OpenAI `tools` entries offered to the model (None: none offered).
 
     Raises
     ------
@@ -70,14 +91,20 @@ def render_chat(tokenizer, messages: list[ChatMessage], continue_final_message: 
     """
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", param="messages")
-    dicts = [message_dict(m, i) for i, m in enumerate(messages)]
+    native_tools = renders_tools(tokenizer)
+    dicts = [message_dict(m, i, native_tools) for i, m in enumerate(messages)]
     if continue_final_message and dicts[-1]["role"] != "assistant":
         raise bad_request("continue_final_message needs a final assistant message to continue",
                           param="continue_final_message")
+    kwargs = dict(template_kwargs or {})
+    if tools and native_tools:
+        kwargs["tools"] = tools
+    elif tools:
+        dicts = with_tools_described(dicts, tools)
     try:
         text = tokenizer.apply_chat_template(
             dicts, tokenize=False, add_generation_prompt=not continue_final_message,
-            continue_final_message=continue_final_message, **(template_kwargs or {}),
+            continue_final_message=continue_final_message, **kwargs,
         )
     except Exception as e:  # noqa: BLE001 - jinja raises TemplateError, ValueError, TypeError ...
         raise bad_request(f"the chat template cannot render these messages: {e}", param="messages") from None

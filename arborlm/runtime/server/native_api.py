@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from arborlm import __version__
+from arborlm.frontend_lang.chat_template import ChatTemplate
 from arborlm.runtime.request_batch import expand_requests, generate_batch
 from arborlm.runtime.server.errors import APIError, bad_request
 from arborlm.runtime.server.openai_common import TokenText, parse_body
@@ -137,6 +138,9 @@ async def health_generate(request: Request) -> Response:
 
 @router.get("/get_model_info")
 async def get_model_info(request: Request) -> dict[str, Any]:
+    """SGLang's model facts, plus `chat_template_roles`: the text before and after
+    each role's content ({role: [prefix, suffix]}), which `RuntimeEndpoint` uses to
+    render DSL programs exactly as the in-process backend does."""
     state = get_state(request)
     info = state.model_info
     return {
@@ -144,8 +148,18 @@ async def get_model_info(request: Request) -> dict[str, Any]:
         "tokenizer_path": info.checkpoint,
         "served_model_name": state.model_name,
         "is_generation": True,
+        "chat_template_roles": _chat_template_roles(state.tokenizer),
         **info.__dict__,
     }
+
+
+def _chat_template_roles(tokenizer) -> dict[str, list[str]] | None:
+    """Role markers of the model's chat template; None when the template cannot be cut into them."""
+    try:
+        template = ChatTemplate.from_tokenizer(tokenizer)
+    except Exception:  # noqa: BLE001 - a template that refuses the probe messages (jinja raises anything)
+        return None
+    return {role: list(pair) for role, pair in template.role_prefix_and_suffix.items()}
 
 
 @router.get("/get_server_info")

@@ -3,7 +3,10 @@
 Choices run concurrently; streamed, each choice opens with a role delta,
 sends content deltas as tokens arrive and closes with a chunk that carries
 `finish_reason` and `matched_stop`; with `stream_options.include_usage` a last
-chunk with empty `choices` carries the usage, then `data: [DONE]`.
+chunk with empty `choices` carries the usage, then `data: [DONE]`. With tools
+offered (`tool_calls.py`), each choice's text goes through a `ToolCallParser`:
+content deltas, then per call a delta with its id and name and deltas of its
+argument text.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from arborlm.runtime.server.chat import render_chat
-from arborlm.runtime.server.errors import bad_request
 from arborlm.runtime.server.openai_common import (
     TokenText,
     UsageCounter,
@@ -44,17 +46,17 @@ from arborlm.runtime.server.streaming import (
     sse,
     sse_response,
 )
+from arborlm.runtime.server.tool_calls import (
+    ToolPlan,
+    add_tool_grammar,
+    checked_calls,
+    delta_of,
+    plan_tools,
+    tool_finish_reason,
+    tool_message,
+)
+from arborlm.runtime.server.tool_parser import ToolCallParser
 from arborlm.runtime.tokenizer_manager import GenerateReqInput
-
-
-def check_tools(req: ChatCompletionRequest) -> None:
-    """The seam for tool calls (`tools`, `tool_choice`): refused until they are served.
-
-    `tool_choice="none"` with tools is served (the tools are not offered).
-    Messages that carry `tool_calls` or `tool_call_id` are accepted in the history.
-    """
-    if req.tools and req.tool_choice != "none":
-        raise bad_request("tool calls are not supported by this server yet", param="tools")
 
 
 @dataclass
@@ -66,6 +68,7 @@ class ChatCall:
     model: str
     req: ChatCompletionRequest
     token_text: TokenText
+    tools: ToolPlan | None = None
 
     @property
     def top_n(self) -> int:
@@ -88,13 +91,14 @@ async def chat_completions(request: Request) -> Response:
     req = await parse_body(request, ChatCompletionRequest)
     state.check_model(req.model)
     manager = state.live_manager()
-    check_tools(req)
-    input_ids = render_chat(state.tokenizer, req.messages, req.continue_final_message, req.chat_template_kwargs)
+    plan = plan_tools(req, state.server_args.grammar.grammar_backend)
+    input_ids = render_chat(state.tokenizer, req.messages, req.continue_final_message, req.chat_template_kwargs,
+                            tools=plan.definitions if plan else None)
     context = state.model_info.context_length
     check_prompt_len(len(input_ids), context, "messages")
     limit_param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
     limit = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
-    params = sampling_params(req, max_new_tokens(limit, len(input_ids), context, limit_param))
+    params = add_tool_grammar(sampling_params(req, max_new_tokens(limit, len(input_ids), context, limit_param)), plan)
     reqs = [
         GenerateReqInput(input_ids=input_ids, sampling_params=seeded(params, i), return_logprob=req.logprobs,
                          top_logprobs_num=req.top_logprobs or 0, stream=req.stream,
@@ -102,7 +106,7 @@ async def chat_completions(request: Request) -> Response:
         for i in range(req.n)
     ]
     built = build_all(manager, reqs)
-    call = ChatCall(new_id("chatcmpl", req.rid), now_s(), state.model_name, req, TokenText(state.tokenizer))
+    call = ChatCall(new_id("chatcmpl", req.rid), now_s(), state.model_name, req, TokenText(state.tokenizer), plan)
     if req.stream:
         chunks = await cancel_on_disconnect(request, primed(stream_all(manager, built)))
         return sse_response(_stream(call, chunks))
@@ -117,11 +121,15 @@ def _answer(call: ChatCall, results: list[dict[str, Any]]) -> dict[str, Any]:
         meta = result["meta_info"]
         usage.add(meta, first_of_prompt=index == 0)
         tokens, tops = last_logprobs(meta, len(result["output_ids"]))
+        message = {"role": "assistant", "content": result["text"], "tool_calls": None}
+        reason = finish_reason(meta)
+        if call.tools is not None:
+            message, reason = tool_message(call.tools, result["text"], reason, meta.get("id"))
         choices.append({
             "index": index,
-            "message": {"role": "assistant", "content": result["text"], "tool_calls": None},
+            "message": message,
             "logprobs": call.logprobs(tokens, tops),
-            "finish_reason": finish_reason(meta),
+            "finish_reason": reason,
             "matched_stop": meta.get("matched_stop"),
         })
     return {"id": call.id, "object": "chat.completion", "created": call.created, "model": call.model,
@@ -132,12 +140,18 @@ async def _stream(call: ChatCall, chunks: AsyncIterator[tuple[int, dict[str, Any
     usage = UsageCounter()
     for index in range(call.req.n):
         yield sse(call.chunk([_delta(index, {"role": "assistant", "content": ""})]))
+    parsers = [ToolCallParser() for _ in range(call.req.n)] if call.tools is not None else None
     async for index, chunk in chunks:
         meta = chunk["meta_info"]
         logprobs = call.logprobs(*last_logprobs(meta, len(chunk["output_ids"])))
-        if chunk["text"] or (logprobs and logprobs["content"]):
-            yield sse(call.chunk([_delta(index, {"content": chunk["text"]}, logprobs)]))
         reason = finish_reason(meta)
+        if parsers is None:
+            if chunk["text"] or (logprobs and logprobs["content"]):
+                yield sse(call.chunk([_delta(index, {"content": chunk["text"]}, logprobs)]))
+        else:
+            for delta in _tool_deltas(parsers[index], chunk["text"], reason is not None, logprobs):
+                yield sse(call.chunk([_delta(index, *delta)]))
+            reason = _streamed_tool_reason(call, parsers[index], reason, meta)
         if reason is not None:
             usage.add(meta, first_of_prompt=index == 0)
             yield sse(call.chunk([_delta(index, {}, None, reason, meta.get("matched_stop"))]))
@@ -150,3 +164,21 @@ def _delta(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = 
            reason: str | None = None, matched_stop: Any = None) -> dict[str, Any]:
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
             "matched_stop": matched_stop}
+
+
+def _tool_deltas(parser: ToolCallParser, text: str, last: bool, logprobs: dict[str, Any] | None
+                 ) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+    """(delta, logprobs) pairs of one chunk's text; the chunk's logprobs ride on its first delta."""
+    events = parser.feed(text) + (parser.finish() if last else [])
+    deltas = [delta_of(e) for e in events]
+    if not deltas and logprobs and logprobs["content"]:
+        deltas = [{"content": ""}]
+    return [(d, logprobs if i == 0 else None) for i, d in enumerate(deltas)]
+
+
+def _streamed_tool_reason(call: ChatCall, parser: ToolCallParser, reason: str | None,
+                          meta: dict[str, Any]) -> str | None:
+    if reason is None:
+        return None
+    calls, dropped = checked_calls(call.tools, parser, meta.get("id"))
+    return tool_finish_reason(reason, calls, dropped)

@@ -107,13 +107,59 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionDefinition(_Body):
+    """`tools[i].function`: a function the model may call.
+
+    `parameters` is the JSON Schema of its arguments (no parameters when
+    omitted); `strict: true` refuses schema keywords the grammar cannot enforce.
+    """
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Body):
+    """One entry of `tools`; OpenAI's only tool type for chat is `function`."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    """`tool_choice={"type": "function", "function": {"name": ...}}`: call that function."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ToolCallFunction(_Body):
+    """The function of a tool call in the history; `arguments` is JSON text (an object is accepted too)."""
+
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(_Body):
+    """One of an assistant message's `tool_calls`."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Body):
     """One chat message; `content` is a string or a list of parts."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
 
 
@@ -123,7 +169,8 @@ class ChatCompletionRequest(SamplingRequest):
     `max_completion_tokens` wins over `max_tokens` (OpenAI deprecated the latter);
     without either, the answer may run to the end of the context.
     `continue_final_message` continues a final assistant message (assistant
-    prefill) instead of opening a new assistant turn.
+    prefill) instead of opening a new assistant turn. `tools`, `tool_choice`
+    and `parallel_tool_calls` are served by `tool_calls.py`.
     """
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -131,8 +178,8 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

@@ -1,0 +1,259 @@
+"""Tool calls on `/v1/chat/completions`: `tools` and `tool_choice` → the grammar, and the
+model's output → OpenAI's `tool_calls`.
+
+`plan_tools` checks the request's tools (each `parameters` schema is prepared
+as a `json_schema` would be, so a broken one is a 400 naming
+`tools[i].function.parameters`) and resolves `tool_choice`:
+
+- ``none`` (or no tools): no tools are offered, the output is plain text;
+- ``auto`` (the default with tools): free text, and wherever the model writes
+  `<tool_call>` the rest of the call is forced to a valid call (xgrammar's
+  ``triggered_tags`` structural tag);
+- ``required``: only calls, at least one (``tags_with_separator``);
+- a named function: exactly one call of it (one ``tag``).
+
+`parallel_tool_calls: false` ends the grammar after the first call. The call
+format is in `tool_parser.py`; how tools reach the prompt is in `tool_prompt.py`.
+Every complete call's arguments are validated against the function's schema.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from arborlm.constrained.base import GrammarError, GrammarKey
+from arborlm.constrained.grammar_manager import backend_class
+from arborlm.constrained.json_schema import (
+    PreparedSchema,
+    prepare_json_schema,
+    validate_json_output,
+)
+from arborlm.runtime.server.errors import bad_request
+from arborlm.runtime.server.protocol import ChatCompletionRequest, ToolDefinition
+from arborlm.runtime.server.tool_parser import (
+    CALL_END,
+    CALL_SEPARATOR,
+    CALL_TRIGGER,
+    ArgumentsDelta,
+    CallStart,
+    Event,
+    ParsedCall,
+    ToolCallParser,
+    call_begin,
+    parse_tool_calls,
+)
+
+logger = logging.getLogger(__name__)
+
+# OpenAI's rule for function names; it also keeps names free of JSON escapes.
+FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# The arguments of a function declared without `parameters` (OpenAI: no parameters).
+NO_PARAMETERS = {"type": "object", "properties": {}}
+# Whitespace characters allowed between two JSON tokens of the arguments: room for
+# `{"a": 1, "b": 2}` as json.dumps writes it, too little for a weak model to wander
+# in (xgrammar's least; it refuses 0).
+ARGUMENTS_MAX_WHITESPACE = 1
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One offered function: its definition as sent and its prepared argument schema."""
+
+    name: str
+    definition: dict[str, Any]
+    schema: PreparedSchema
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How one request may call tools.
+
+    tools: every tool, in request order (all are described to the model).
+    choice: ``auto``, ``required`` or ``named``.
+    named: the forced function's name when ``choice`` is ``named``.
+    parallel: several calls allowed in one answer.
+    """
+
+    tools: tuple[Tool, ...]
+    choice: str
+    named: str | None
+    parallel: bool
+
+    @property
+    def definitions(self) -> list[dict[str, Any]]:
+        """The tools as OpenAI `tools` entries (for the chat template or the system prompt)."""
+        return [t.definition for t in self.tools]
+
+    def structural_tag(self) -> dict[str, Any]:
+        """The grammar of the answer, as an xgrammar structural tag (see the module docstring)."""
+        if self.choice == "named":
+            fmt = _call_tag(self._tool(self.named))
+        elif self.choice == "required":
+            fmt = {"type": "tags_with_separator", "tags": [_call_tag(t) for t in self.tools],
+                   "separator": CALL_SEPARATOR, "at_least_one": True, "stop_after_first": not self.parallel}
+        else:
+            fmt = {"type": "triggered_tags", "triggers": [CALL_TRIGGER], "tags": [_call_tag(t) for t in self.tools],
+                   "stop_after_first": not self.parallel}
+        return {"type": "structural_tag", "format": fmt}
+
+    def check_call(self, call: ParsedCall) -> str | None:
+        """None when a complete call names an offered function and its arguments satisfy its schema."""
+        tool = next((t for t in self.tools if t.name == call.name), None)
+        if tool is None:
+            return f"the model called an unknown function {call.name!r}"
+        return validate_json_output(tool.schema, call.arguments)
+
+    def _tool(self, name: str | None) -> Tool:
+        return next(t for t in self.tools if t.name == name)
+
+
+def _call_tag(tool: Tool) -> dict[str, Any]:
+    """One call of `tool`: the fixed opening, arguments valid for its (prepared) schema, the fixed end."""
+    schema = {"type": "json_schema", "json_schema": json.loads(tool.schema.text),
+              "max_whitespace_cnt": ARGUMENTS_MAX_WHITESPACE}
+    return {"type": "tag", "begin": call_begin(tool.name), "content": schema, "end": CALL_END}
+
+
+# ---- the request ---------------------------------------------------------------------
+
+
+def plan_tools(req: ChatCompletionRequest, grammar_backend: str) -> ToolPlan | None:
+    """The request's `ToolPlan`, or None when no tools are offered (none given, or `tool_choice="none"`).
+
+    Raises
+    ------
+    APIError: 400 for `tool_choice` without tools, a named function that is not
+        among the tools, a bad or duplicate function name, a broken `parameters`
+        schema, or a grammar backend without structural tags.
+    """
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise bad_request("tool_choice needs tools", param="tool_choice")
+        return None
+    if choice == "none":
+        return None
+    _check_backend(grammar_backend)
+    tools = tuple(_tool(definition, i, grammar_backend) for i, definition in enumerate(req.tools))
+    _check_unique([t.name for t in tools])
+    named = None
+    if choice is not None and not isinstance(choice, str):
+        named = choice.function.name
+        if named not in {t.name for t in tools}:
+            raise bad_request(f"tool_choice names {named!r}, which is not among the tools",
+                              param="tool_choice.function.name")
+    mode = "named" if named else (choice or "auto")
+    return ToolPlan(tools, mode, named, req.parallel_tool_calls is not False)
+
+
+def _check_backend(grammar_backend: str) -> None:
+    if "structural_tag" not in backend_class(grammar_backend).kinds:
+        raise bad_request(f"tool calls need structural tags, which the {grammar_backend} grammar backend "
+                          "lacks; start the server with --grammar-backend xgrammar", param="tools")
+
+
+def _tool(definition: ToolDefinition, index: int, grammar_backend: str) -> Tool:
+    """One tool, its name and argument schema checked.
+
+    Raises
+    ------
+    APIError: 400 naming `tools[index].function.name` or `.parameters`.
+    """
+    function = definition.function
+    if not FUNCTION_NAME.match(function.name):
+        raise bad_request("a function name must be 1 to 64 letters, digits, underscores or dashes, "
+                          f"got {function.name!r}", param=f"tools[{index}].function.name")
+    param = f"tools[{index}].function.parameters"
+    parameters = NO_PARAMETERS if function.parameters is None else function.parameters
+    try:
+        schema = prepare_json_schema(parameters, lenient=not function.strict)
+        backend_class(grammar_backend).check(GrammarKey("json_schema", schema.text))
+    except GrammarError as e:
+        raise bad_request(f"{param}: {e.message}", param=param) from None
+    return Tool(function.name, definition.model_dump(exclude_none=True), schema)
+
+
+def _check_unique(names: list[str]) -> None:
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise bad_request(f"two tools are named {name!r}", param=f"tools[{i}].function.name")
+
+
+def add_tool_grammar(params: dict[str, Any], plan: ToolPlan | None) -> dict[str, Any]:
+    """The sampling dict with the tools' structural tag.
+
+    Raises
+    ------
+    APIError: 400 when the request also asks for another output constraint.
+    """
+    if plan is None:
+        return params
+    given = [k for k in ("json_schema", "regex", "ebnf", "structural_tag") if k in params]
+    if given:
+        raise bad_request(f"tool calls cannot be combined with another output constraint ({given[0]}); "
+                          'drop it or send tool_choice="none"', param="tool_choice")
+    return {**params, "structural_tag": plan.structural_tag()}
+
+
+# ---- the answer ----------------------------------------------------------------------
+
+
+def tool_call_dict(call: ParsedCall) -> dict[str, Any]:
+    """A call in OpenAI's `message.tool_calls` shape (arguments as JSON text)."""
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def checked_calls(plan: ToolPlan, parser: ToolCallParser, rid: str | None = None) -> tuple[list[ParsedCall], bool]:
+    """The calls to return, and whether one had to be dropped.
+
+    A complete call whose arguments fail its schema (possible only for keywords
+    the grammar leaves to validation) is dropped and logged; a call cut off by
+    `max_tokens` or a stop string is kept with its partial arguments, as OpenAI does.
+    """
+    kept, dropped = [], False
+    for call in parser.calls:
+        problem = plan.check_call(call) if call.complete else None
+        if problem is None:
+            kept.append(call)
+        else:
+            logger.warning("request %s: tool call %s dropped: %s", rid, call.name, problem)
+            dropped = True
+    return kept, dropped
+
+
+def tool_finish_reason(reason: str | None, calls: list[ParsedCall], dropped: bool) -> str | None:
+    """OpenAI's finish_reason: `tool_calls` when the answer ended after calling tools;
+    `abort` when a call failed its schema; else the scheduler's reason."""
+    if reason is None:
+        return None
+    if dropped:
+        return "abort"
+    if reason == "stop" and calls and all(c.complete for c in calls):
+        return "tool_calls"
+    return reason
+
+
+def tool_message(plan: ToolPlan, text: str, reason: str | None, rid: str | None = None
+                 ) -> tuple[dict[str, Any], str | None]:
+    """A non-streamed choice's `message` and finish_reason from its whole output text."""
+    parser = parse_tool_calls(text)
+    calls, dropped = checked_calls(plan, parser, rid)
+    message = {"role": "assistant", "content": parser.content,
+               "tool_calls": [tool_call_dict(c) for c in calls] or None}
+    return message, tool_finish_reason(reason, calls, dropped)
+
+
+def delta_of(event: Event) -> dict[str, Any]:
+    """One parser event as a streamed `delta`, the way OpenAI streams tool calls:
+    the first delta of a call has its id, type, name and empty arguments; later
+    ones carry argument fragments."""
+    if isinstance(event, CallStart):
+        return {"tool_calls": [{"index": event.index, "id": event.id, "type": "function",
+                                "function": {"name": event.name, "arguments": ""}}]}
+    if isinstance(event, ArgumentsDelta):
+        return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
+    return {"content": event.text}

@@ -1,0 +1,133 @@
+"""`ToolCallParser`: the call format split into content and calls, whole or fed in pieces; no server."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from arborlm.runtime.server.protocol import ChatCompletionRequest
+from arborlm.runtime.server.tool_calls import delta_of, plan_tools, tool_message
+from arborlm.runtime.server.tool_parser import (
+    ArgumentsDelta,
+    CallStart,
+    TextDelta,
+    ToolCallParser,
+    call_begin,
+    parse_tool_calls,
+)
+from arborlm.runtime.server.tool_prompt import content_with_calls, with_tools_described
+
+
+def block(name: str, arguments: str) -> str:
+    return f"{call_begin(name)}{arguments}}}\n</tool_call>"
+
+
+WEATHER = block("get_weather", '{"city": "Paris", "days": 3}')
+NOOP = block("noop", "{}")
+
+# (output text, content, [(name, arguments, complete)])
+CASES = [
+    ("Just text.", "Just text.", []),
+    ("", "", []),
+    (WEATHER, None, [("get_weather", '{"city": "Paris", "days": 3}', True)]),
+    (f"Let me look.\n{WEATHER}", "Let me look.\n", [("get_weather", '{"city": "Paris", "days": 3}', True)]),
+    (f"{WEATHER}\n{NOOP}", None, [("get_weather", '{"city": "Paris", "days": 3}', True), ("noop", "{}", True)]),
+    (f"{WEATHER}\n", None, [("get_weather", '{"city": "Paris", "days": 3}', True)]),
+    (f"{WEATHER}\nDone.", "\nDone.", [("get_weather", '{"city": "Paris", "days": 3}', True)]),
+    (f"{WEATHER} and {NOOP}", " and ", [("get_weather", '{"city": "Paris", "days": 3}', True), ("noop", "{}", True)]),
+    (call_begin("get_weather") + '{"city": "Pa', None, [("get_weather", '{"city": "Pa', False)]),
+    (call_begin("get_weather"), None, [("get_weather", "", False)]),
+    ('{"nested": "}\\n</tool_call> in a string"}' + WEATHER, '{"nested": "}\\n</tool_call> in a string"}',
+     [("get_weather", '{"city": "Paris", "days": 3}', True)]),
+    ("a <tool", "a <tool", []),
+    ("<tool_call>not a call</tool_call>", "<tool_call>not a call</tool_call>", []),
+    (block("f", '{"s": "a}\\n</b>"}'), None, [("f", '{"s": "a}\\n</b>"}', True)]),
+]
+
+
+def _summary(parser: ToolCallParser) -> tuple:
+    return parser.content, [(c.name, c.arguments, c.complete) for c in parser.calls]
+
+
+@pytest.mark.parametrize("text, content, calls", CASES, ids=[repr(c[0])[:40] for c in CASES])
+def test_whole_output(text, content, calls):
+    assert _summary(parse_tool_calls(text)) == (content, calls)
+
+
+@pytest.mark.parametrize("text, content, calls", CASES, ids=[repr(c[0])[:40] for c in CASES])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fed_in_pieces_gives_the_same_events_joined(text, content, calls, seed):
+    rng = random.Random(seed)
+    parser = ToolCallParser()
+    events = []
+    i = 0
+    while i < len(text):
+        size = rng.randint(1, 6)
+        events += parser.feed(text[i:i + size])
+        i += size
+    events += parser.finish()
+    assert _summary(parser) == (content, calls)
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == (content or "")
+    starts = [e for e in events if isinstance(e, CallStart)]
+    assert [(s.index, s.name) for s in starts] == [(k, c[0]) for k, c in enumerate(calls)]
+    for k, (_, arguments, _) in enumerate(calls):
+        assert "".join(e.text for e in events if isinstance(e, ArgumentsDelta) and e.index == k) == arguments
+    assert len({c.id for c in parser.calls}) == len(calls)
+
+
+def test_history_blocks_parse_back():
+    calls = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}}]
+    parser = parse_tool_calls(content_with_calls("", calls))
+    assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [("get_weather", {"city": "Paris", "days": 3})]
+
+
+def test_tools_go_to_the_system_message():
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    added = with_tools_described([{"role": "user", "content": "hi"}], tools)
+    assert added[0]["role"] == "system" and '{"type": "function", "function": {"name": "f"}}' in added[0]["content"]
+    joined = with_tools_described([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+                                  tools)
+    assert joined[0]["content"].startswith("Be brief.\n\n# Tools") and len(joined) == 2
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 5}, "s": {"format": "email"}},
+          "required": ["n"]}
+
+
+def _plan(**fields):
+    body = {"messages": [{"role": "user", "content": "x"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": SCHEMA}}], **fields}
+    return plan_tools(ChatCompletionRequest.model_validate(body), "xgrammar")
+
+
+@pytest.mark.parametrize("choice, fmt", [(None, "triggered_tags"), ("auto", "triggered_tags"),
+                                         ("required", "tags_with_separator"),
+                                         ({"type": "function", "function": {"name": "f"}}, "tag")])
+def test_plan_formats(choice, fmt):
+    plan = _plan(tool_choice=choice, parallel_tool_calls=False)
+    tag = plan.structural_tag()["format"]
+    assert tag["type"] == fmt
+    if fmt != "tag":
+        assert tag["stop_after_first"] is True
+
+
+def test_answer_checks_arguments_and_finish_reason():
+    plan = _plan(tool_choice="required")
+    message, reason = tool_message(plan, block("f", '{"n": 2}'), "stop")
+    assert reason == "tool_calls" and message["content"] is None
+    assert message["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"n": 2}'}
+    assert message["tool_calls"][0]["id"].startswith("call_")
+    invalid, reason = tool_message(plan, block("f", '{"n": 9}'), "stop")  # what the grammar would forbid
+    assert invalid["tool_calls"] is None and reason == "abort"
+    cut, reason = tool_message(plan, call_begin("f") + '{"n"', "length")
+    assert reason == "length" and cut["tool_calls"][0]["function"]["arguments"] == '{"n"'
+    assert tool_message(plan, "plain", "stop")[1] == "stop"
+
+
+def test_stream_deltas_in_openai_shape():
+    assert delta_of(CallStart(0, "call_1", "f")) == {
+        "tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": ""}}]}
+    assert delta_of(ArgumentsDelta(1, '{"a"')) == {"tool_calls": [{"index": 1, "function": {"arguments": '{"a"'}}]}
+    assert delta_of(TextDelta("hi")) == {"content": "hi"}
