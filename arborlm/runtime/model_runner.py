@@ -87,6 +87,11 @@ class ModelRunner:
                 max_total_tokens = min(max_total_tokens, MAX_DEFAULT_CPU_TOKENS)
         model_len = getattr(cfg, "max_position_embeddings", 4096)
         context_length = self.server_args.model.context_length or model_len
+        if context_length > model_len:
+            raise ValueError(
+                f"context_length={context_length} is longer than the model's "
+                f"max_position_embeddings={model_len}"
+            )
         # A request must fit in the pool on its own.
         self.context_length = min(context_length, max_total_tokens)
         self.max_total_tokens = max_total_tokens

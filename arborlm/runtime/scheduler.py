@@ -351,7 +351,12 @@ class Scheduler:
                 raise RuntimeError("out of KV slots for a decode step")
             forward_batch = batch.prepare_decode(self.req_to_token_pool, self.token_to_kv_pool, out_cache_loc)
             self.stats["num_decode_steps"] += 1
-        logits_output = mr.forward(forward_batch)
+        try:
+            logits_output = mr.forward(forward_batch)
+        except Exception:
+            # The step's slots are past every request's kv_len: release_req would not free them.
+            self.allocator.free(out_cache_loc)
+            raise
         return self.process_batch_result(batch, logits_output, forward_batch)
 
     def process_batch_result(self, batch: ScheduleBatch, logits_output, forward_batch) -> list[ReqOutput]:

@@ -256,3 +256,31 @@ def test_cache_salt_keeps_tenants_apart(make_scheduler):
     assert cached("n1", None) == 0
     assert cached("b2", "tenant-b") == len(p) - 1
     sched.check_invariants()
+
+
+def test_failed_forward_aborts_its_batch_and_frees_its_slots(make_scheduler, monkeypatch):
+    sched = make_scheduler()
+    p = prompts(2, 10, 10, seed=12)
+    for i, ids in enumerate(p):
+        sched.add_request(make_req(f"f{i}", ids, max_new_tokens=20, ignore_eos=True))
+    sched.step()  # prefill
+    real_forward = sched.model_runner.forward
+
+    def fail_once(batch):
+        monkeypatch.setattr(sched.model_runner, "forward", real_forward)
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(sched.model_runner, "forward", fail_once)
+    outs = sched.step()
+    assert sorted(o.finish_reason["type"] for o in outs) == ["abort", "abort"]
+    assert "injected failure" in outs[0].finish_reason["message"]
+    assert_idle_pools(sched)
+    sched.add_request(make_req("after", p[0], max_new_tokens=4, ignore_eos=True))
+    while sched.has_work():
+        sched.step()
+    assert_idle_pools(sched)
+
+
+def test_context_longer_than_the_model_is_refused(tiny_llama_dir, tiny_tokenizer):
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        create_scheduler(tiny_llama_dir, tiny_tokenizer, context_length=4096)
