@@ -44,7 +44,8 @@ from arborlm.runtime.model_loader import resolve_checkpoint  # noqa: E402
 from arborlm.runtime.sampling import SamplingParams  # noqa: E402
 from arborlm.runtime.scheduler import Scheduler  # noqa: E402
 
-DATA = ROOT.parent / "shared" / "data" / "jsonschemabench"
+DATA = next((p / "shared" / "data" / "jsonschemabench" for p in ROOT.parents
+             if (p / "shared" / "data" / "jsonschemabench").is_dir()), Path("/work/shared/data/jsonschemabench"))
 RESULTS = ROOT / "benchmarks" / "results"
 BACKENDS = ("xgrammar", "outlines")
 

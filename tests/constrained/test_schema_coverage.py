@@ -21,8 +21,9 @@ import xgrammar as xgr
 from arborlm.constrained.base import GrammarError
 from arborlm.constrained.json_schema import prepare_json_schema
 from tests.constrained.test_json_schema import assert_walks_valid
+from tests.shared_data import jsonschemabench_dir
 
-DATA = Path("/work/shared/data/jsonschemabench")
+DATA = jsonschemabench_dir() or Path("/work/shared/data/jsonschemabench")
 SUBSETS = ["Github_easy", "Github_medium", "Github_hard", "Kubernetes", "Snowplow", "WashingtonPost", "Glaiveai2K"]
 # Measured with xgrammar 0.2.9 (compiled / total); a lower share is a regression.
 FLOOR = {
