@@ -32,6 +32,9 @@ import torch
 
 from arborlm.errors import InvalidRequestError
 
+# Most samples one request may ask for (OpenAI's routes cap n at 128 too); more would flood the scheduler.
+MAX_N = 128
+
 _INT_FIELDS = ("max_new_tokens", "top_k", "min_new_tokens", "n")
 _FLOAT_FIELDS = (
     "temperature",
@@ -163,7 +166,7 @@ class SamplingParams:
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
             ("min_new_tokens", 0 <= self.min_new_tokens <= self.max_new_tokens,
              f"in [0, max_new_tokens={self.max_new_tokens}]"),
-            ("n", self.n >= 1, ">= 1"),
+            ("n", 1 <= self.n <= MAX_N, f"in [1, {MAX_N}]"),
         )  # fmt: skip
         for name, ok, accepted in checks:
             if not ok:  # NaN fails every comparison, so it is rejected here too

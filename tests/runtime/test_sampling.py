@@ -394,3 +394,13 @@ def test_compute_logprobs_prompt_positions():
     expected = torch.log_softmax(logits, -1)[torch.arange(6), token_ids]
     assert torch.allclose(result.logprobs, expected, atol=1e-5)
     assert result.top_values is None and result.top_ids is None
+
+
+def test_n_is_bounded():
+    from arborlm.errors import InvalidRequestError
+    from arborlm.runtime.sampling import MAX_N
+
+    SamplingParams(n=MAX_N).verify(49152)
+    with pytest.raises(InvalidRequestError) as err:
+        SamplingParams(n=1_000_000).verify(49152)
+    assert err.value.param == "n"
