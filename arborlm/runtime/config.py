@@ -150,8 +150,10 @@ class GrammarConfig:
     grammar_compile_timeout: float = field(
         default=60.0, metadata={"help": "seconds a request may wait for its grammar to compile"}
     )
+    # Off by default until the forced-text search is bounded: xgrammar's search never ends on
+    # grammars that force endless text (e.g. `root ::= "a" root`) and exhausts memory.
     disable_jump_forward: bool = field(
-        default=False, metadata={"help": "do not append the tokens a grammar forces without decoding"}
+        default=True, metadata={"help": "do not append the tokens a grammar forces without decoding"}
     )
 
     def __post_init__(self):

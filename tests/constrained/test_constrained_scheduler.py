@@ -42,7 +42,7 @@ def constrained_req(rid: str, seed: int = 0, backend: str = "xgrammar", prompt=P
 
 @pytest.fixture(scope="module")
 def sched(tiny_llama_dir, tiny_tokenizer):
-    return create_scheduler(tiny_llama_dir, tiny_tokenizer, max_total_tokens=8192)
+    return create_scheduler(tiny_llama_dir, tiny_tokenizer, max_total_tokens=8192, disable_jump_forward=False)
 
 
 def texts(sched, result):
