@@ -436,25 +436,40 @@ def _refusal_message(problems: list[tuple[str, str, str]]) -> str:
 # JSON values
 
 
-def _json_equal(a: Any, b: Any) -> bool:
-    """JSON equality: 1 == 1.0, but true != 1."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return isinstance(a, bool) and isinstance(b, bool) and a == b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return a == b
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_json_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_json_equal(a[k], b[k]) for k in a)
-    return type(a) is type(b) and a == b
+def _json_key(value: Any) -> Any:
+    """A hashable key of a JSON value: equal keys exactly when the values are equal in JSON
+    Schema's sense (1 == 1.0, but true != 1; objects regardless of key order).
+
+    Numbers keep Python's own int/float equality and hash (exact, so 2**53 + 1 != 2.0**53);
+    booleans, strings and null are tagged apart from them.
+    """
+    if isinstance(value, bool):
+        return ("bool", value)
+    if isinstance(value, (int, float)):
+        return ("num", value)
+    if isinstance(value, list):
+        return ("arr", tuple(_json_key(v) for v in value))
+    if isinstance(value, dict):
+        return ("obj", frozenset((k, _json_key(v)) for k, v in value.items()))
+    return (type(value).__name__, value)
 
 
 def _unique(values: list) -> list:
+    """``values`` without JSON-equal repeats, first occurrences in order (linear time)."""
+    seen: set = set()
     out: list = []
     for v in values:
-        if not any(_json_equal(v, w) for w in out):
+        key = _json_key(v)
+        if key not in seen:
+            seen.add(key)
             out.append(v)
     return out
+
+
+def _json_intersection(values: list, others: list) -> list:
+    """The members of ``values`` JSON-equal to a member of ``others``, in order (linear time)."""
+    keys = {_json_key(w) for w in others}
+    return [v for v in values if _json_key(v) in keys]
 
 
 def _canon(value: Any) -> str:
@@ -1078,7 +1093,7 @@ class _Normaliser:
             values = _unique(kw["enum"])
         if "const" in kw:
             const = [kw["const"]]
-            values = const if values is None else [v for v in const if any(_json_equal(v, w) for w in values)]
+            values = const if values is None else _json_intersection(const, values)
         if values is not None:
             own["enum"] = values
 
@@ -1293,7 +1308,7 @@ class _Normaliser:
         if "enum" in a or "enum" in b:
             values = a.get("enum", b.get("enum"))
             if "enum" in a and "enum" in b:
-                values = [v for v in a["enum"] if any(_json_equal(v, w) for w in b["enum"])]
+                values = _json_intersection(a["enum"], b["enum"])
             if not values:
                 return False
             out["enum"] = values

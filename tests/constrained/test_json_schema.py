@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import time
 
 import pytest
 import xgrammar as xgr
@@ -253,6 +254,26 @@ def test_normalised_text_shape():
     assert list(json.loads(ordered.text)["properties"]) == ["reasoning", "answer"]  # generation order kept
     assert json.loads(prepare_json_schema(True).text) == {}
     hash(prepared)  # frozen and hashable
+
+
+def test_enum_dedup_is_json_equality():
+    # 1 and 1.0 are one JSON value, true and 1 are not; objects compare regardless of key order
+    prepared = prepare_json_schema({"enum": [1, 1.0, True, 0, False, 0.0, None, "1", [1], [1.0], [True],
+                                             {"a": 1, "b": [2]}, {"b": [2.0], "a": 1}, 2**53 + 1, 2.0**53]})
+    assert json.loads(prepared.text)["enum"] == [1, True, 0, False, None, "1", [1], [True], {"a": 1, "b": [2]},
+                                                 2**53 + 1, 2.0**53]
+    both = prepare_json_schema({"allOf": [{"enum": [1, True, "x", {"k": 1}]}, {"enum": [1.0, {"k": 1.0}, "y"]}]})
+    assert json.loads(both.text)["enum"] == [1, {"k": 1}]
+    assert json.loads(prepare_json_schema({"enum": [True, 1], "const": 1.0}).text)["enum"] == [1.0]
+
+
+def test_huge_enum_prepares_in_linear_time():
+    # was quadratic: 20000 values took minutes, on the server's event loop
+    values = [f"value-{i}" for i in range(20000)]
+    start = time.perf_counter()
+    prepared = prepare_json_schema({"type": "string", "enum": values + values[:100]})
+    assert time.perf_counter() - start < 5
+    assert json.loads(prepared.text)["enum"] == values
 
 
 def test_format_beside_pattern_is_dropped():
