@@ -5,19 +5,22 @@ A model layer computes q, k, v for the step's new tokens and hands them to an
 over each request's K/V found through `req_to_token`. The model calls
 `init_forward_metadata` once per step, before its layers, so that per-step index
 work is not redone per layer. The torch backend runs `torch_native.py` (the CPU
-path); the reference backend runs `reference.py` (the oracle).
+path); the Triton backend runs `triton_extend.py` / `triton_decode.py` (the CUDA
+path, reading K/V through `req_to_token` with no gather); the reference backend
+runs `reference.py` (the oracle).
 """
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
 from arborlm.kernels import reference, torch_native
 from arborlm.runtime.batch import ForwardBatch
-
-ATTENTION_BACKENDS = ("auto", "torch", "reference")
+from arborlm.runtime.config import ATTENTION_BACKENDS
 
 
 class AttentionBackend(ABC):
@@ -123,20 +126,104 @@ class TorchAttentionBackend(AttentionBackend):
         )
 
 
+@dataclass
+class TritonMetadata:
+    """Per-step values the Triton kernels take as plain Python numbers or small tensors.
+
+    Attributes
+    ----------
+    max_len: longest seq_len of the step (tokens).
+    extend_start_loc: (batch,) int64 index of each request's first new token (EXTEND only).
+    max_extend_len: largest number of new tokens of one request (EXTEND only).
+    num_kv_splits: decode parts per request (DECODE only).
+    """
+
+    max_len: int
+    extend_start_loc: torch.Tensor | None = None
+    max_extend_len: int = 0
+    num_kv_splits: int = 1
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """The Triton kernels (`triton_extend.py`, `triton_decode.py`): CUDA, or the CPU
+    under `TRITON_INTERPRET=1` (tests)."""
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        from arborlm.kernels.triton_decode import default_num_kv_splits
+
+        max_len = max(forward_batch.seq_lens_cpu)
+        if forward_batch.forward_mode.is_decode():
+            num_kv_splits = default_num_kv_splits(
+                len(forward_batch.seq_lens_cpu), forward_batch.token_to_kv_pool.num_kv_heads, max_len,
+                forward_batch.seq_lens.device,
+            )
+            forward_batch.attn_metadata = TritonMetadata(max_len=max_len, num_kv_splits=num_kv_splits)
+            return
+        extend_seq_lens = forward_batch.extend_seq_lens
+        forward_batch.attn_metadata = TritonMetadata(
+            max_len=max_len,
+            extend_start_loc=torch.cumsum(extend_seq_lens, 0) - extend_seq_lens,
+            max_extend_len=max(forward_batch.extend_seq_lens_cpu),
+        )
+
+    def forward(self, q, k, v, layer_id, forward_batch, scale, sliding_window=None, logit_cap=0.0):
+        from arborlm.kernels import triton_decode, triton_extend
+
+        pool = forward_batch.token_to_kv_pool
+        pool.set_kv_buffer(layer_id, forward_batch.out_cache_loc, k, v)
+        k_buffer, v_buffer = pool.get_kv_buffer(layer_id)
+        if forward_batch.attn_metadata is None:
+            self.init_forward_metadata(forward_batch)
+        meta: TritonMetadata = forward_batch.attn_metadata
+        req_to_token = forward_batch.req_to_token_pool.req_to_token
+        q = q.contiguous()
+        if forward_batch.forward_mode.is_decode():
+            return triton_decode.decode_attention(
+                q, k_buffer, v_buffer, req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
+                scale, sliding_window, logit_cap, num_kv_splits=meta.num_kv_splits, max_len=meta.max_len,
+            )
+        return triton_extend.extend_attention(
+            q, k_buffer, v_buffer, req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
+            forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens, scale, sliding_window, logit_cap,
+            extend_start_loc=meta.extend_start_loc, max_extend_len=meta.max_extend_len,
+        )
+
+
+def triton_usable(device: torch.device) -> bool:
+    """Whether the Triton kernels can run on `device`: CUDA with triton installed, or
+    any device under Triton's interpreter (`TRITON_INTERPRET=1`)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def create_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
     """The attention backend called `name` for `device`.
 
     Parameters
     ----------
-    name: "auto" (torch on every device until the Triton kernels land), "torch" or "reference".
+    name: "auto" (Triton on CUDA, torch elsewhere), "triton", "torch" or "reference".
     device: where the model runs.
 
     Raises
     ------
     ValueError
-        For an unknown name.
+        For an unknown name, or "triton" where Triton cannot run (no CUDA and no
+        `TRITON_INTERPRET=1`).
     """
-    if name in ("auto", "torch"):
+    device = torch.device(device)
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and triton_usable(device) else "torch"
+    if name == "triton":
+        if not triton_usable(device):
+            raise ValueError(
+                f"attention_backend='triton' cannot run on {device.type}: it needs a CUDA GPU with triton "
+                "installed (or TRITON_INTERPRET=1, the slow interpreter); use 'torch' or 'auto'"
+            )
+        return TritonAttentionBackend()
+    if name == "torch":
         return TorchAttentionBackend()
     if name == "reference":
         return ReferenceAttentionBackend()

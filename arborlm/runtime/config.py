@@ -16,6 +16,7 @@ from typing import Any
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+ATTENTION_BACKENDS = ("auto", "triton", "torch", "reference")  # kernels.backend.create_attention_backend
 
 
 def _check(cond: bool, name: str, value: Any, expected: str) -> None:
@@ -54,10 +55,24 @@ class ModelConfig:
         default=None, metadata={"help": "max tokens per request (prompt + output); default from the model"}
     )
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
+    attention_backend: str = field(
+        default="auto", metadata={"help": "auto (triton on CUDA, torch elsewhere) | triton | torch | reference"}
+    )
 
     def __post_init__(self):
         _check_types(self)
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
+        _check(
+            self.attention_backend in ATTENTION_BACKENDS, "attention_backend", self.attention_backend,
+            f"one of {ATTENTION_BACKENDS}",
+        )
+        if self.attention_backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+            import torch
+
+            _check(
+                self.device != "cpu" and torch.cuda.is_available(), "attention_backend", self.attention_backend,
+                "a backend this machine can run: triton needs a CUDA GPU (or TRITON_INTERPRET=1); use auto or torch",
+            )
         _check(self.device in ("auto", "cpu", "cuda"), "device", self.device, "auto, cpu or cuda")
         if self.device == "cuda":
             import torch

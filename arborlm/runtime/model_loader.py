@@ -252,7 +252,9 @@ def iter_safetensors(checkpoint: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_model(
+    checkpoint: Path, dtype: torch.dtype, device: torch.device, attention_backend: str = "auto"
+) -> LoadedModel:
     """Build our model for `checkpoint` and load its weights.
 
     Parameters
@@ -260,11 +262,14 @@ def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device) -> Lo
     checkpoint: a folder from `resolve_checkpoint`.
     dtype: weights and activations dtype (see `resolve_dtype`).
     device: where the weights live.
+    attention_backend: see `kernels.backend.create_attention_backend`.
 
     Raises
     ------
     ModelLoadError
         For an unsupported architecture or missing / mismatched weights.
+    ValueError
+        For an attention backend that cannot run on `device`.
     """
     from transformers import AutoConfig
 
@@ -276,7 +281,7 @@ def load_model(checkpoint: Path, dtype: torch.dtype, device: torch.device) -> Lo
     hf_config = AutoConfig.from_pretrained(str(checkpoint))
     from arborlm.kernels.backend import create_attention_backend
 
-    model = LlamaForCausalLM(hf_config, dtype, device, create_attention_backend("auto", device))
+    model = LlamaForCausalLM(hf_config, dtype, device, create_attention_backend(attention_backend, device))
     model.load_weights(iter_safetensors(checkpoint))
     model.eval()
     return LoadedModel(model=model, hf_config=hf_config, checkpoint=checkpoint)
