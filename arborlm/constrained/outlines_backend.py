@@ -162,8 +162,14 @@ class OutlinesMatcher(GrammarMatcher):
             self._guide.rollback_state(num_tokens)
 
     def is_terminated(self) -> bool:
-        """True after an accepted EOS, or in a final state from which no token leads on."""
-        return self._terminated or self._grammar.is_dead_end(self._guide.get_state())
+        """True after an accepted EOS.
+
+        A final state from which no token leads on is not terminated: its mask
+        allows only EOS, which the next step samples, as xgrammar does. So both
+        backends end a request on the EOS token (``matched_stop`` is its id),
+        never on the last content token.
+        """
+        return self._terminated
 
     def find_jump_forward_string(self) -> str:
         """The text every continuation must start with ("" when none or terminated).
@@ -197,7 +203,6 @@ class OutlinesGrammar(CompiledGrammar):
         self.end_mark_id = backend.end_mark_id
         self._token_bytes = backend.token_bytes
         self._token_ids_by_bytes = backend.token_ids_by_bytes
-        self._dead_ends: dict[int, bool] = {}
         self._forced_steps: dict[int, tuple[bytes, int] | None] = {}
 
     def new_matcher(self) -> OutlinesMatcher:
@@ -210,13 +215,6 @@ class OutlinesGrammar(CompiledGrammar):
         """
         after_mark = self.index.get_next_state(state, self.end_mark_id)
         return after_mark is not None and self.index.is_final_state(after_mark)
-
-    def is_dead_end(self, state: int) -> bool:
-        """True in a final state where no token but EOS is allowed."""
-        if state not in self._dead_ends:
-            allowed = self.index.get_allowed_tokens(state) or ()
-            self._dead_ends[state] = self.is_final(state) and all(t == self.end_mark_id for t in allowed)
-        return self._dead_ends[state]
 
     def forced_step(self, state: int) -> tuple[bytes, int] | None:
         """(bytes every continuation starts with, the state after them), or None.

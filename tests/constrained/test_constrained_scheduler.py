@@ -19,6 +19,7 @@ from arborlm.constrained.grammar_spec import grammar_spec_from_params
 from arborlm.errors import InvalidRequestError
 from arborlm.runtime.io_struct import TokenizedGenerateReqInput
 from arborlm.runtime.sampling import SamplingParams
+from arborlm.runtime.scheduler_output import finish_reason_to_matched_stop
 from tests.runtime.scheduler_helpers import (
     assert_idle_pools,
     create_scheduler,
@@ -230,3 +231,39 @@ def test_bad_grammars_are_refused_before_queueing(sampling, param):
 def test_outlines_refuses_ebnf():
     with pytest.raises(GrammarError, match="outlines"):
         grammar_spec_from_params(SamplingParams(ebnf='root ::= "a"'), "outlines")
+
+
+def test_grammar_end_is_the_eos_token_on_both_backends(tiny_llama_dir, tiny_tokenizer):
+    """outlines ended a request on the last content token ("s" of "yes"), xgrammar on the EOS it
+    then forces: both now end on the EOS, so `matched_stop` is the EOS id on either backend."""
+    outputs = {}
+    for backend in ("xgrammar", "outlines"):
+        s = create_scheduler(tiny_llama_dir, tiny_tokenizer, grammar_backend=backend)
+        eos = set(s.model_info.eos_token_ids)
+        reqs = [constrained_req(f"r{i}", seed=i, backend=backend, regex="(yes|no)", max_new_tokens=8) for i in range(4)]
+        result = run_to_completion(s, reqs)
+        for rid, tokens in result.tokens.items():
+            assert tokens[-1] in eos, (backend, rid, tokens)
+            assert result.finish[rid] == {"type": "stop", "matched": tokens[-1]}, (backend, rid)
+            assert finish_reason_to_matched_stop(result.finish[rid]) == tokens[-1]
+        outputs[backend] = {rid: (texts(s, result)[rid], result.finish[rid]) for rid in result.tokens}
+        s.grammar_manager.shutdown()
+    assert outputs["xgrammar"] == outputs["outlines"]
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+def test_grammar_termination_wins_over_min_new_tokens_and_ignore_eos(tiny_llama_dir, tiny_tokenizer, backend):
+    """Under a grammar, `min_new_tokens` and `ignore_eos` do not extend the output past the
+    grammar's end (SGLang's behaviour): the grammar allows nothing but EOS there."""
+    s = create_scheduler(tiny_llama_dir, tiny_tokenizer, grammar_backend=backend)
+    eos = set(s.model_info.eos_token_ids)
+    reqs = [
+        constrained_req("min", backend=backend, regex="(yes|no)", max_new_tokens=32, min_new_tokens=20),
+        constrained_req("ignore", seed=1, backend=backend, regex="(yes|no)", max_new_tokens=32, ignore_eos=True),
+    ]
+    result = run_to_completion(s, reqs)
+    for rid, tokens in result.tokens.items():
+        assert len(tokens) < 20 and tokens[-1] in eos, (rid, tokens)
+        assert result.finish[rid] == {"type": "stop", "matched": tokens[-1]}
+        assert texts(s, result)[rid] in ("yes", "no")
+    s.grammar_manager.shutdown()

@@ -222,13 +222,16 @@ def test_eos_is_allowed_only_in_final_states(tokenizer, eos, compile_key):
     assert not matcher.is_terminated()  # "3.14" may go on ("3.141")
 
 
-def test_final_state_with_no_way_on_is_terminated(tokenizer, eos, compile_key):
+def test_final_state_with_no_way_on_allows_only_eos(tokenizer, eos, compile_key):
+    """As xgrammar: the grammar ends on the EOS it then forces, not on the last content token."""
     matcher = compile_key(regex("(yes|no)")).new_matcher()
     drive(matcher, encode(tokenizer, "ye"))
     assert not matcher.is_terminated()
     drive(matcher, encode(tokenizer, "s"))
-    assert matcher.is_terminated()
+    assert not matcher.is_terminated()
     assert current_mask(matcher) == {eos}
+    assert matcher.find_jump_forward_string() == ""
+    assert matcher.accept_token(eos) and matcher.is_terminated()
 
 
 def test_rollback_restores_earlier_states(tokenizer, eos, compile_key):
