@@ -145,6 +145,15 @@ def _decode_merge_kernel(
     tl.store(Out + req * stride_o_token + head * stride_o_head + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
 
 
+_decode_split_kernel_autotuned = triton.autotune(
+    configs=[
+        triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
+        for n, w, st in [(32, 2, 2), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 3)]
+    ],
+    key=["HEAD_DIM", "KV_GROUP", "NUM_SPLITS"],
+)(_decode_split_kernel)
+
+
 def default_num_kv_splits(batch_size: int, num_kv_heads: int, max_len: int, device: torch.device) -> int:
     """How many parts to cut each request's keys into.
 
@@ -210,7 +219,10 @@ def decode_attention(
     mid_o = torch.empty((batch, num_q_heads, num_kv_splits, head_dim), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((batch, num_q_heads, num_kv_splits), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    _decode_split_kernel[(batch, num_kv_heads, num_kv_splits)](
+    on_cuda = q.device.type == "cuda"
+    kernel = _decode_split_kernel_autotuned if on_cuda else _decode_split_kernel
+    tiles = {} if on_cuda else {"BLOCK_N": 64 if q.element_size() < 4 else 32}
+    kernel[(batch, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
         mid_o, mid_lse,
         scale, float(logit_cap), int(sliding_window or 0),
@@ -224,12 +236,12 @@ def decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_H=max(16, triton.next_power_of_2(kv_group)),  # tl.dot needs >= 16 rows
-        BLOCK_N=64 if q.element_size() < 4 else 32,
         NUM_SPLITS=num_kv_splits,
         USE_LOGIT_CAP=logit_cap > 0,
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION=dot_precision(q.dtype),
         DOT_UPCAST=dot_upcast(q.dtype),
+        **tiles,
     )
     _decode_merge_kernel[(batch, num_q_heads)](
         mid_o, mid_lse, out,

@@ -121,6 +121,16 @@ def _extend_kernel(
     )
 
 
+# Tile shapes tried on CUDA (the first call per head dim / group / dtype times each).
+_CUDA_CONFIGS = [
+    triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+    for m, n, w, st in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3), (64, 32, 4, 2)]
+]
+_extend_kernel_autotuned = triton.autotune(configs=_CUDA_CONFIGS, key=["HEAD_DIM", "KV_GROUP", "USE_WINDOW"])(
+    _extend_kernel
+)
+
+
 def extend_block_sizes(dtype: torch.dtype, head_dim: int, device: torch.device) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N) tile sizes: 64x64 for half precision, 32x32 for float32 or
     head_dim > 128 (more registers per element); 64x64 in the interpreter, whose
@@ -168,7 +178,8 @@ def extend_attention(
         computed from `extend_seq_lens` when None.
     max_extend_len: the largest `extend_seq_lens` if the caller knows it (saves a
         device sync).
-    block_sizes: (BLOCK_M, BLOCK_N) powers of two >= 16; default from `extend_block_sizes`.
+    block_sizes: (BLOCK_M, BLOCK_N) powers of two >= 16; default: autotuned on
+        CUDA, `extend_block_sizes` elsewhere.
 
     Returns
     -------
@@ -186,9 +197,15 @@ def extend_attention(
         extend_start_loc = torch.cumsum(extend_seq_lens, 0) - extend_seq_lens
     if max_extend_len is None:
         max_extend_len = int(extend_seq_lens.max())
-    block_m, block_n = block_sizes or extend_block_sizes(q.dtype, head_dim, q.device)
     out = torch.empty_like(q)
-    _extend_kernel[(batch, num_q_heads, triton.cdiv(max_extend_len, block_m))](
+    if block_sizes is None and q.device.type == "cuda":
+        kernel, tiles = _extend_kernel_autotuned, {}
+        grid = lambda meta: (batch, num_q_heads, triton.cdiv(max_extend_len, meta["BLOCK_M"]))  # noqa: E731
+    else:
+        block_m, block_n = block_sizes or extend_block_sizes(q.dtype, head_dim, q.device)
+        kernel, tiles = _extend_kernel, {"BLOCK_M": block_m, "BLOCK_N": block_n}
+        grid = (batch, num_q_heads, triton.cdiv(max_extend_len, block_m))
+    kernel[grid](
         q, k_buffer, v_buffer, out,
         req_to_token, req_pool_indices, seq_lens, extend_prefix_lens, extend_seq_lens, extend_start_loc,
         scale, float(logit_cap), int(sliding_window or 0),
@@ -200,11 +217,10 @@ def extend_attention(
         KV_GROUP=num_q_heads // k_buffer.shape[1],
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
         USE_LOGIT_CAP=logit_cap > 0,
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION=dot_precision(q.dtype),
         DOT_UPCAST=dot_upcast(q.dtype),
+        **tiles,
     )
     return out

@@ -252,8 +252,10 @@ class SamplingBatchInfo:
     Shapes: ``temperatures`` (B, 1) float32 (1.0 on greedy rows, so dividing is
     safe); ``top_ps``, ``min_ps``, the three penalties (B,) float32; ``top_ks``
     (B,) int64 with -1 replaced by ``vocab_size``; ``min_new_tokens`` (B,)
-    int64; ``is_greedy`` (B,) bool. The ``need_*`` flags let the sampler skip
-    whole stages when no request in the batch uses them.
+    int64; ``is_greedy`` (B,) bool; ``sampled_rows`` the non-greedy row indices
+    as a host list (so sampling on a GPU needs no device-to-host copy to find
+    them). The ``need_*`` flags let the sampler skip whole stages when no request
+    in the batch uses them.
     """
 
     temperatures: torch.Tensor
@@ -268,6 +270,7 @@ class SamplingBatchInfo:
     generators: list[torch.Generator]
     stop_token_ids_list: list[list[int]]
     vocab_size: int
+    sampled_rows: list[int] = field(default_factory=list)
     all_greedy: bool = False
     need_top_k: bool = False
     need_top_p: bool = False
@@ -329,6 +332,7 @@ class SamplingBatchInfo:
             generators=list(generators),
             stop_token_ids_list=[list(p.stop_token_ids or ()) for p in params_list],
             vocab_size=vocab_size,
+            sampled_rows=[i for i, g in enumerate(greedy) if not g],
             all_greedy=all(greedy),
             need_top_k=any(p.top_k > 0 and p.top_k < vocab_size for p in sampled),
             need_top_p=any(p.top_p < 1.0 for p in sampled),
@@ -600,6 +604,6 @@ class Sampler:
         next_token_ids = argmax.clone()
         # torch.multinomial takes one generator, so each sampled row draws alone: the
         # price of per-request seeds that do not depend on the batch's composition.
-        for i in torch.nonzero(~info.is_greedy).flatten().tolist():
+        for i in info.sampled_rows:
             next_token_ids[i] = torch.multinomial(probs[i], 1, generator=info.generators[i])[0]
         return next_token_ids
