@@ -10,6 +10,11 @@ JSON is generated with fixed separators (``", "`` and ``": "``, one line, as
 JSON inside structural tags gets at most `TAG_MAX_WHITESPACE` whitespace
 characters per gap unless the tag says otherwise.
 
+A grammar that reaches a rule deriving no finite string (``root ::= "a" root``)
+is refused when compiled: its output could never end, and xgrammar's
+forced-text search would run until memory is exhausted. A grammar the analysis
+cannot read compiles with jump-forward off (see `grammar_analysis`).
+
 After SGLang's ``sglang/srt/constrained/xgrammar_backend.py``; the API is
 xgrammar's (``xgr.Grammar``, ``xgr.GrammarCompiler``, ``xgr.GrammarMatcher``).
 """
@@ -17,6 +22,7 @@ xgrammar's (``xgr.Grammar``, ``xgr.GrammarCompiler``, ``xgr.GrammarMatcher``).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from typing import Any
@@ -32,6 +38,9 @@ from arborlm.constrained.base import (
     GrammarKey,
     GrammarMatcher,
 )
+from arborlm.constrained.grammar_analysis import UnknownGrammarSyntax, unproductive_reachable_rules
+
+logger = logging.getLogger(__name__)
 
 # The whitespace JSON may put between its tokens: json.dumps's default, on one line.
 JSON_SEPARATORS = (", ", ": ")
@@ -55,6 +64,8 @@ _LOG_PREFIX = re.compile(
 )
 _INPUT_ECHO = re.compile(r"\s*The JSON string is:.*", re.DOTALL)
 MAX_ERROR_CHARS = 500
+# Rules named in a "can never finish" error; the rest are counted.
+MAX_RULES_NAMED = 3
 
 
 class XGrammarMatcher(GrammarMatcher):
@@ -62,10 +73,13 @@ class XGrammarMatcher(GrammarMatcher):
 
     Rollback is unbounded: xgrammar 0.2.9 deprecated ``max_rollback_tokens``
     (its Earley parser keeps the whole history), so none is passed.
+    ``jump_forward=False`` (a grammar `grammar_analysis` could not read) makes
+    `find_jump_forward_string` always return "".
     """
 
-    def __init__(self, matcher: xgr.GrammarMatcher):
+    def __init__(self, matcher: xgr.GrammarMatcher, jump_forward: bool = True):
         self._matcher = matcher
+        self._jump_forward = jump_forward
 
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, row: int) -> None:
         """Write the allowed tokens into ``vocab_mask[row]``.
@@ -100,20 +114,25 @@ class XGrammarMatcher(GrammarMatcher):
         return self._matcher.is_terminated()
 
     def find_jump_forward_string(self) -> str:
-        """The text every continuation must start with ("" when none or terminated)."""
-        if self._matcher.is_terminated():
+        """The text every continuation must start with ("" when none, terminated or jump-forward is off)."""
+        if not self._jump_forward or self._matcher.is_terminated():
             return ""
         return self._matcher.find_jump_forward_string()
 
 
 class XGrammarCompiledGrammar(CompiledGrammar):
-    """An ``xgr.CompiledGrammar`` (token masks precomputed for one tokenizer)."""
+    """An ``xgr.CompiledGrammar`` (token masks precomputed for one tokenizer).
 
-    def __init__(self, compiled: xgr.CompiledGrammar):
+    ``jump_forward``: whether its matchers may search for forced text (False
+    when the grammar could not be shown to always be able to finish).
+    """
+
+    def __init__(self, compiled: xgr.CompiledGrammar, jump_forward: bool = True):
         self.compiled = compiled
+        self.jump_forward = jump_forward
 
     def new_matcher(self) -> XGrammarMatcher:
-        return XGrammarMatcher(xgr.GrammarMatcher(self.compiled))
+        return XGrammarMatcher(xgr.GrammarMatcher(self.compiled), self.jump_forward)
 
     @property
     def memory_size_bytes(self) -> int:
@@ -167,15 +186,50 @@ class XGrammarBackend(GrammarBackend):
         Raises
         ------
         GrammarError
-            Unsupported kind, a grammar xgrammar rejects, or a failure while compiling.
+            Unsupported kind, a grammar xgrammar rejects, a grammar whose output
+            could never end, or a failure while compiling.
         """
         if key.kind not in self.kinds:
             self.check(key)  # raises the unsupported-kind error
         grammar = build_grammar(key)
+        jump_forward = can_always_finish(key, grammar)
         try:
-            return XGrammarCompiledGrammar(self.compiler.compile_grammar(grammar))
+            return XGrammarCompiledGrammar(self.compiler.compile_grammar(grammar), jump_forward)
         except Exception as e:
             raise _grammar_error(key, e) from e
+
+
+def can_always_finish(key: GrammarKey, grammar: xgr.Grammar) -> bool:
+    """Whether every rule reachable in ``grammar`` derives a finite string (milliseconds).
+
+    Returns
+    -------
+    True when so; False when the printed grammar holds a construct
+    `grammar_analysis` does not know (the caller then turns jump-forward off).
+
+    Raises
+    ------
+    GrammarError
+        Some reachable rule derives no finite string: the output could never end.
+    """
+    try:
+        unproductive = unproductive_reachable_rules(str(grammar))
+    except UnknownGrammarSyntax as e:
+        logger.warning("jump-forward off for a %s: its grammar could not be analysed (%s)",
+                       _KIND_LABELS.get(key.kind, key.kind), e)
+        return False
+    if unproductive:
+        raise GrammarError(_never_ends_message(key, unproductive), key.param)
+    return True
+
+
+def _never_ends_message(key: GrammarKey, rules: list[str]) -> str:
+    named = ", ".join(repr(name) for name in rules[:MAX_RULES_NAMED])
+    if len(rules) > MAX_RULES_NAMED:
+        named += f" and {len(rules) - MAX_RULES_NAMED} more"
+    subject = f"rule {named} derives" if len(rules) == 1 else f"rules {named} derive"
+    label = _KIND_LABELS.get(key.kind, key.kind)
+    return f"the {label} can never finish: {subject} no finite string; the output could never end"
 
 
 def build_grammar(key: GrammarKey) -> xgr.Grammar:
