@@ -99,12 +99,17 @@ class Engine:
         `n > 1`. With `stream=True` (one prompt), an iterator of chunks whose
         `text` pieces concatenate to the final text.
 
+        One rule for errors in a batch: a malformed item (bad prompt or
+        sampling field) rejects the whole batch before anything runs; a grammar
+        that cannot be used (a bad schema, regex or EBNF, a keyword the backend
+        cannot enforce, a compile failure or timeout) fails that item alone:
+        its result has no output and ``finish_reason`` ``{"type": "abort",
+        "message", "param"}``, and the others complete. A single request raises.
+
         Raises
         ------
-        InvalidRequestError: bad prompt or sampling field (nothing is run), or
-            a grammar the scheduler could not compile in time. In a batch, such
-            a late refusal does not raise: that item's ``finish_reason`` is
-            ``{"type": "abort", "message", "param"}`` and the others complete.
+        InvalidRequestError: bad prompt or sampling field (nothing is run); for a
+            single request, also a grammar refused before or after queueing.
         EngineDeadError: the scheduler process is gone.
         """
         kwargs = dict(return_logprob=return_logprob, logprob_start_len=logprob_start_len,

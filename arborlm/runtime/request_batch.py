@@ -4,14 +4,17 @@ The `Engine` and the native HTTP `/generate` both accept one prompt or a batch
 (a list of texts or of token-id lists), one `sampling_params` dict or one per
 prompt, and `n` samples per prompt. `expand_requests` turns that into a flat
 list of `GenerateReqInput`; `generate_batch` validates every item before any
-runs, then runs them together on the `TokenizerManager`'s loop.
+runs, then runs them together on the `TokenizerManager`'s loop; an item whose
+grammar is refused reports it alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any
 
+from arborlm.constrained.base import GrammarError
 from arborlm.errors import EngineDeadError, InvalidRequestError
 from arborlm.runtime.io_struct import TokenizedGenerateReqInput
 from arborlm.runtime.sampling import SamplingParams
@@ -92,24 +95,39 @@ def _params_per_item(sampling_params: Any, num_items: int) -> list[dict[str, Any
 async def generate_batch(manager: TokenizerManager, reqs: list[GenerateReqInput]) -> list[dict[str, Any]]:
     """Run non-streaming requests together; one final result dict each, in order.
 
-    Every item is validated and tokenized first, so a bad one rejects the batch
-    before anything runs. Cancelling the caller aborts every item.
+    Every item is validated and tokenized first, so a malformed one (bad
+    prompt, bad sampling field) rejects the batch before anything runs.
+
+    A grammar that cannot be used is the one per-item error, whether the front
+    refuses it before queueing (bad schema or regex, a keyword the backend
+    cannot enforce) or the scheduler later (compile failure or timeout): in a
+    batch of more than one request, that item's result has no output and
+    ``finish_reason`` ``{"type": "abort", "message", "param"}``, and the others
+    run; a single request raises. Cancelling the caller aborts every item.
 
     Raises
     ------
-    InvalidRequestError: a bad item; or, for a single request, a grammar the
-        scheduler refused later. In a batch such a late refusal does not raise:
-        that item's `finish_reason` is `{"type": "abort", "message", "param"}`
-        and the others complete.
+    InvalidRequestError: a malformed item; or, for a single request, a refused grammar.
     ServerOverloadedError: the batch does not fit under `max_queued_requests`.
     EngineDeadError: the scheduler process is gone.
     """
-    built = [manager.build_request(req) for req in reqs]
-    if len({r.rid for r in built}) < len(built):
+    built: list[TokenizedGenerateReqInput | dict[str, Any]] = []
+    for req in reqs:
+        try:
+            built.append(manager.build_request(req))
+        except GrammarError as e:
+            if len(reqs) == 1:
+                raise
+            rid = req.rid or uuid.uuid4().hex
+            built.append(refused_result(rid, len(manager.prompt_ids(req)), e))
+    rids = [r.rid if isinstance(r, TokenizedGenerateReqInput) else r["meta_info"]["id"] for r in built]
+    if len(set(rids)) < len(rids):
         raise InvalidRequestError("request ids in one batch must be distinct", param="rid")
-    manager.check_capacity(len(built))
+    manager.check_capacity(sum(isinstance(r, TokenizedGenerateReqInput) for r in built))
 
-    async def one(req: TokenizedGenerateReqInput) -> dict[str, Any]:
+    async def one(req: TokenizedGenerateReqInput | dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(req, TokenizedGenerateReqInput):
+            return req  # refused before queueing
         try:
             async for result in manager.generate(req):
                 return result
@@ -126,7 +144,12 @@ async def generate_batch(manager: TokenizerManager, reqs: list[GenerateReqInput]
 
 def rejected_result(req: TokenizedGenerateReqInput, error: InvalidRequestError) -> dict[str, Any]:
     """The result of a batch item the scheduler refused: no output, the reason in `finish_reason`."""
+    return refused_result(req.rid, len(req.input_ids), error)
+
+
+def refused_result(rid: str, prompt_tokens: int, error: InvalidRequestError) -> dict[str, Any]:
+    """The result of a batch item whose grammar was refused: no output, the reason in `finish_reason`."""
     reason = {"type": "abort", "message": error.message, "param": error.param}
-    meta = {"id": req.rid, "prompt_tokens": len(req.input_ids), "completion_tokens": 0, "cached_tokens": 0,
+    meta = {"id": rid, "prompt_tokens": prompt_tokens, "completion_tokens": 0, "cached_tokens": 0,
             "finish_reason": reason, "matched_stop": None}
     return {"text": "", "output_ids": [], "meta_info": meta}

@@ -84,6 +84,7 @@ class ReqState:
     input_token_logprobs: list | None = None
     input_top_logprobs: list | None = None
     grammar: GrammarSpec | None = None
+    stop_token_ids: tuple[int, ...] = ()  # the request's own stop ids (not the model's EOS)
 
 
 class OutputObserver(Protocol):
@@ -146,11 +147,48 @@ class TokenizerManager:
     def build_request(self, obj: GenerateReqInput) -> TokenizedGenerateReqInput:
         """Validate and tokenize one request.
 
+        The grammar is checked last, so a `GrammarError` means every other
+        field is fine (a batch reports such an item alone, `generate_batch`).
+
         Raises
         ------
         InvalidRequestError
             Empty prompt, prompt too long for the context, bad token ids or a bad
             sampling field.
+        GrammarError
+            (an `InvalidRequestError`) the constraint cannot be used.
+        """
+        input_ids = self.prompt_ids(obj)
+        params = self._sampling_params(obj.sampling_params)
+        self._check_logprob_fields(obj)
+        rid = obj.rid or uuid.uuid4().hex
+        if not isinstance(rid, str):
+            raise InvalidRequestError("rid must be a string", param="rid")
+        if rid in self.rid_to_state:
+            raise InvalidRequestError(f"request id {rid!r} is already in flight", param="rid")
+        self._check_cache_salt(obj.cache_salt)
+        grammar = grammar_spec_from_params(params, self.server_args.grammar.grammar_backend)
+        return TokenizedGenerateReqInput(
+            rid=rid,
+            input_ids=input_ids,
+            sampling_params=params,
+            seed=params.seed if params.seed is not None else self._next_seed(),
+            return_logprob=bool(obj.return_logprob),
+            logprob_start_len=obj.logprob_start_len,
+            top_logprobs_num=obj.top_logprobs_num,
+            stream=obj.stream,
+            grammar=grammar,
+            cache_salt=obj.cache_salt,
+        )
+
+    def prompt_ids(self, obj: GenerateReqInput) -> list[int]:
+        """The request's prompt as token ids, checked against the vocabulary and the context.
+
+        Raises
+        ------
+        InvalidRequestError
+            Both or neither of text and input_ids, an empty prompt, bad token
+            ids, a prompt that leaves no room for a generated token.
         """
         if (obj.text is None) == (obj.input_ids is None):
             raise InvalidRequestError("give exactly one of text and input_ids", param="text")
@@ -170,27 +208,7 @@ class TokenizerManager:
                 "(prompt + at least one generated token)",
                 param=prompt_param,
             )
-        params = self._sampling_params(obj.sampling_params)
-        grammar = grammar_spec_from_params(params, self.server_args.grammar.grammar_backend)
-        self._check_logprob_fields(obj)
-        rid = obj.rid or uuid.uuid4().hex
-        if not isinstance(rid, str):
-            raise InvalidRequestError("rid must be a string", param="rid")
-        if rid in self.rid_to_state:
-            raise InvalidRequestError(f"request id {rid!r} is already in flight", param="rid")
-        self._check_cache_salt(obj.cache_salt)
-        return TokenizedGenerateReqInput(
-            rid=rid,
-            input_ids=input_ids,
-            sampling_params=params,
-            seed=params.seed if params.seed is not None else self._next_seed(),
-            return_logprob=bool(obj.return_logprob),
-            logprob_start_len=obj.logprob_start_len,
-            top_logprobs_num=obj.top_logprobs_num,
-            stream=obj.stream,
-            grammar=grammar,
-            cache_salt=obj.cache_salt,
-        )
+        return input_ids
 
     @staticmethod
     def _check_cache_salt(salt: Any) -> None:
@@ -272,6 +290,7 @@ class TokenizerManager:
             prompt_tokens=len(recv.input_ids),
             created_time=time.perf_counter(),
             grammar=recv.grammar,
+            stop_token_ids=tuple(params.stop_token_ids or ()),
         )
         self.rid_to_state[recv.rid] = state
         self.send_sock.send_pyobj(recv)
@@ -347,14 +366,22 @@ class TokenizerManager:
                                     now - state.created_time, out.finish_reason)
 
     def _check_grammar_output(self, state: ReqState, out: ReqOutput) -> None:
-        """A constrained output that ended by the grammar must satisfy the user's schema.
+        """A constrained output that the grammar ended must satisfy the user's schema.
 
         A backend that under-constrains would otherwise return invalid JSON
         marked "stop"; this turns it into an abort that says why, and counts it.
+
+        Only an output the grammar ended (by its EOS) is checked, and without
+        the EOS's text (``skip_special_tokens=False`` keeps it in the returned
+        text, but it is not part of the value). An output cut by the user's
+        stop string or stop token id is, like a ``length`` finish, a prefix of
+        a valid one: it keeps its ``stop`` finish with the stop in
+        ``matched_stop``, and is not validated.
         """
-        if out.finish_reason is None or out.finish_reason.get("type") != "stop":
+        reason = out.finish_reason
+        if reason is None or reason.get("type") != "stop" or not self._ended_by_grammar(state, reason.get("matched")):
             return
-        problem = state.grammar.validate_output(state.text)
+        problem = state.grammar.validate_output(self._value_text(state.text, reason.get("matched")))
         if problem is None:
             return
         self.stats["num_grammar_violations"] += 1
@@ -363,6 +390,23 @@ class TokenizerManager:
             "type": "abort",
             "message": f"the output does not satisfy the requested {state.grammar.key.param}: {problem}",
         }
+
+    def _ended_by_grammar(self, state: ReqState, matched: Any) -> bool:
+        """True when a "stop" finish came from the grammar's end, not from a stop the user set.
+
+        A grammar allows EOS only once its output is complete, so an EOS id
+        (even one the user also listed in ``stop_token_ids``) is the grammar's end.
+        """
+        if isinstance(matched, str):
+            return False
+        return matched in self.model_info.eos_token_ids or matched not in state.stop_token_ids
+
+    def _value_text(self, text: str, matched: Any) -> str:
+        """``text`` without the text of the EOS token that ended it (present when special tokens are kept)."""
+        if not isinstance(matched, int):
+            return text
+        eos_text = self.tokenizer.decode([matched], skip_special_tokens=False)
+        return text.removesuffix(eos_text) if eos_text else text
 
     def _make_result(self, state: ReqState, out: ReqOutput, text: str, output_ids: list[int]) -> dict[str, Any]:
         now = time.perf_counter()
