@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from arborlm.cli import build_parser, main, server_args_from
@@ -43,3 +45,24 @@ def test_bad_values_exit_with_usage_error(argv, capsys):
         main(["serve", *argv])
     assert excinfo.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_every_serve_option_has_help():
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    missing = [a.option_strings[0] for a in serve._actions if a.option_strings and not a.help]
+    assert missing == []
+    assert "model name" in next(a.help for a in serve._actions if "--served-model-name" in a.option_strings)
+
+
+def test_openapi_operation_ids_are_unique():
+    # GET and POST /flush_cache once shared one function and one operation id (FastAPI warned)
+    from types import SimpleNamespace
+
+    from arborlm.runtime.server.app import create_app
+
+    app = create_app(SimpleNamespace(server_args=ServerArgs()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        schema = app.openapi()
+    ids = [op["operationId"] for path in schema["paths"].values() for op in path.values()]
+    assert len(ids) == len(set(ids)) and {"flush_cache_get", "flush_cache_post"} <= set(ids)

@@ -2,11 +2,30 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
 import pytest
 
+from arborlm.constrained.base import GrammarError
+from arborlm.constrained.json_schema import prepare_json_schema
 from arborlm.runtime.server.errors import APIError, _loc_to_param
-from arborlm.runtime.server.openai_common import max_new_tokens, sampling_params
-from arborlm.runtime.server.protocol import ChatCompletionRequest
+from arborlm.runtime.server.openai_common import (
+    abort_message,
+    build_all,
+    check_possible,
+    field_names,
+    max_new_tokens,
+    openai_error,
+    openai_errors,
+    sampling_params,
+)
+from arborlm.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from arborlm.runtime.server import native_api
+from arborlm.runtime.server.tool_calls import plan_tools
+from arborlm.runtime.tokenizer_manager import GenerateReqInput
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -32,10 +51,83 @@ def test_sampling_params_mapping(fields, expected):
     assert sampling_params(chat(**fields), 5) == expected
 
 
-def test_two_constraints_are_refused():
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "json_object"}, "regex": "a+"}, "regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "string"}}},
+      "json_schema": {"type": "integer"}}, "json_schema"),  # was: one silently won
+    ({"response_format": {"type": "json_object"}, "ebnf": 'root ::= "a"'}, "ebnf"),
+    ({"json_schema": {"type": "integer"}, "regex": "a+"}, "regex"),
+])
+def test_two_constraints_are_refused(fields, param):
     with pytest.raises(APIError) as excinfo:
-        sampling_params(chat(response_format={"type": "json_object"}, regex="a+"), 5)
-    assert excinfo.value.status == 400 and excinfo.value.param == "regex"
+        sampling_params(chat(**fields), 5)
+    assert excinfo.value.status == 400 and excinfo.value.param == param
+    assert excinfo.value.message.startswith("give only one of ")
+    # response_format "text" is no constraint
+    assert sampling_params(chat(response_format={"type": "text"}, regex="a+"), 5)["regex"] == "a+"
+
+
+UNENFORCEABLE = {"type": "array", "uniqueItems": True}
+
+
+def _schema_error(schema) -> GrammarError:
+    with pytest.raises(GrammarError) as excinfo:
+        prepare_json_schema(schema)
+    return excinfo.value
+
+
+def test_schema_errors_name_the_openai_fields():
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "strict": True, "schema": UNENFORCEABLE}}
+    error = openai_error(_schema_error(UNENFORCEABLE), field_names(chat(response_format=fmt)))
+    assert error.param == "response_format.json_schema.schema"
+    assert error.message.startswith("response_format.json_schema.schema uses keywords")
+    assert "json_schema_lenient" not in error.message
+    assert "Leave response_format.json_schema.strict unset or false" in error.message
+    # SGLang's own json_schema field keeps its name; the advice says how to get lenient mode here
+    extra = openai_error(_schema_error(UNENFORCEABLE), field_names(chat(json_schema=UNENFORCEABLE)))
+    assert extra.param == "json_schema" and "json_schema_lenient" not in extra.message
+    with pytest.raises(APIError) as excinfo, openai_errors({"json_schema": "response_format"}):
+        raise GrammarError("json_schema is `false`, which accepts no value", "json_schema")
+    assert excinfo.value.param == "response_format"
+
+
+def test_tool_schema_errors_advise_strict_false():
+    body = {"messages": MESSAGES, "tools": [{"type": "function", "function": {
+        "name": "f", "strict": True, "parameters": {"type": "object", "properties": {"x": UNENFORCEABLE}}}}]}
+    with pytest.raises(APIError) as excinfo:
+        plan_tools(ChatCompletionRequest.model_validate(body), "xgrammar")
+    assert excinfo.value.param == "tools[0].function.parameters"
+    assert "json_schema" not in excinfo.value.message and "tools[0].function.strict" in excinfo.value.message
+
+
+@pytest.mark.parametrize("parameters", [{"type": "string"}, {"type": "array", "items": {}}, {"properties": {}},
+                                        {"type": ["object", "null"]}])
+def test_tool_parameters_must_describe_an_object(parameters):
+    body = {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}]}
+    with pytest.raises(APIError) as excinfo:
+        plan_tools(ChatCompletionRequest.model_validate(body), "xgrammar")
+    assert excinfo.value.status == 400 and excinfo.value.param == "tools[0].function.parameters"
+    assert "object" in excinfo.value.message
+    body["tools"][0]["function"]["parameters"] = {}  # no parameters
+    assert plan_tools(ChatCompletionRequest.model_validate(body), "xgrammar") is not None
+
+
+def test_abort_message():
+    assert abort_message({"finish_reason": {"type": "length"}}) is None
+    assert abort_message({"finish_reason": None}) is None
+    why = "the output does not satisfy the requested json_schema: output is not valid JSON"
+    assert abort_message({"finish_reason": {"type": "abort", "message": why}}) == why
+    assert abort_message({"finish_reason": {"type": "abort"}}) == "the request was aborted"
+
+
+@pytest.mark.parametrize("model, body", [
+    (ChatCompletionRequest, {"messages": MESSAGES, "max_tokens": 0}),
+    (ChatCompletionRequest, {"messages": MESSAGES, "max_completion_tokens": 0}),
+    (CompletionRequest, {"prompt": "x", "max_tokens": 0}),
+])
+def test_max_tokens_zero_is_refused(model, body):
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        model.model_validate(body)
 
 
 def test_max_new_tokens_defaults_to_the_rest_of_the_context():
@@ -55,3 +147,56 @@ def test_max_new_tokens_defaults_to_the_rest_of_the_context():
 ])
 def test_error_locations_become_openai_params(loc, param):
     assert _loc_to_param(list(loc)) == param
+
+
+class _SlowManager:
+    """Builds requests slowly, as a large JSON schema is prepared; records the thread it ran on."""
+
+    max_in_flight = 48
+    model_info = SimpleNamespace(max_running_requests=16)
+    server_args = SimpleNamespace(scheduler=SimpleNamespace(max_queued_requests=32))
+
+    def __init__(self):
+        self.threads: list[int] = []
+
+    def build_request(self, req):
+        self.threads.append(threading.get_ident())
+        time.sleep(0.3)
+        return SimpleNamespace(rid=req.rid, input_ids=[1], sampling_params=SimpleNamespace(max_new_tokens=4))
+
+    def check_capacity(self, num_new: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("build", ["openai", "native"])
+def test_requests_are_built_off_the_event_loop(build):
+    manager = _SlowManager()
+    reqs = [GenerateReqInput(text="x", rid="a"), GenerateReqInput(text="x", rid="b")]
+
+    async def run() -> int:
+        ticks = 0
+
+        async def tick() -> None:  # stands for other requests, /health, streams
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        if build == "openai":
+            built = await build_all(manager, reqs)
+        else:
+            built = await native_api._build(manager, reqs, context_len=1024)
+        ticker.cancel()
+        assert [b.rid for b in built] == ["a", "b"]
+        assert threading.get_ident() not in manager.threads
+        return ticks
+
+    assert asyncio.run(run()) >= 20  # the loop kept running for the 0.6 s of building
+
+
+def test_impossible_n_is_a_400_not_a_503():
+    with pytest.raises(APIError) as excinfo:
+        check_possible(_SlowManager(), 49, "n")
+    assert excinfo.value.status == 400 and excinfo.value.param == "n" and "48" in excinfo.value.message
+    check_possible(_SlowManager(), 48, "n")

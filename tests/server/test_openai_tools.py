@@ -14,6 +14,7 @@ import jsonschema
 import openai
 import pytest
 
+from arborlm.runtime.server.tool_parser import CALL_END, call_begin
 from tests.server.conftest import API_KEY
 
 WEATHER_SCHEMA = {
@@ -91,9 +92,38 @@ def test_required_with_parallel_calls(client):
                                          temperature=0, max_tokens=120)
     choice = out.choices[0]
     assert choice.message.tool_calls
-    complete = choice.message.tool_calls if choice.finish_reason == "tool_calls" else choice.message.tool_calls[:-1]
     assert choice.finish_reason in ("tool_calls", "length")
-    _check_calls(complete)
+    _check_calls(choice.message.tool_calls)  # a call cut by max_tokens is not among them
+
+
+@pytest.mark.usefixtures("http")
+def test_call_cut_by_max_tokens_streamed_or_not(client):
+    kwargs = dict(model="default", messages=MESSAGES, tools=TOOLS, temperature=0,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    full = client.chat.completions.create(max_tokens=60, logprobs=True, **kwargs)
+    arguments = full.choices[0].message.tool_calls[0].function.arguments
+    begin, end = call_begin("get_weather"), call_begin("get_weather") + arguments
+    prefixes = ["".join(t.token for t in full.choices[0].logprobs.content[:k])
+                for k in range(1, len(full.choices[0].logprobs.content))]
+    assert "".join(t.token for t in full.choices[0].logprobs.content).startswith(end + CALL_END)
+    cuts = {  # max_tokens -> where the output is cut
+        "header": max(k for k, p in enumerate(prefixes, 1) if len(p) < len(begin) - 1),
+        "arguments": max(k for k, p in enumerate(prefixes, 1) if len(begin) < len(p) < len(end)),
+        "end marker": max(k for k, p in enumerate(prefixes, 1) if len(end) <= len(p)),
+    }
+    for where, max_tokens in cuts.items():
+        out = client.chat.completions.create(max_tokens=max_tokens, **kwargs)
+        choice = out.choices[0]
+        assert choice.finish_reason == "length", where
+        assert choice.message.content == ("" if where != "end marker" else None), where  # never the call's markup
+        content, calls, reason = _streamed(client, max_tokens=max_tokens, **kwargs)
+        assert reason == "length" and content == "", where
+        streamed = calls[0]["arguments"] if calls else ""
+        assert "</tool" not in streamed and arguments.startswith(streamed), where
+        if where == "end marker":  # the arguments were whole: the call, without the cut end marker
+            assert [c.function.arguments for c in choice.message.tool_calls] == [arguments] == [streamed]
+        else:  # a half-parsed call is no call (streamed, its argument deltas were already sent)
+            assert choice.message.tool_calls is None, where
 
 
 @pytest.mark.usefixtures("http")
@@ -150,6 +180,10 @@ def test_history_with_tool_calls_and_results(client, tiny_tokenizer):
 
 
 BAD_TOOL_REQUESTS = [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": ["x"]}}]},
+     "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]},
      "tools[0].function.parameters"),
     ({"tools": [TOOLS[0], {"type": "function", "function": {"name": "g", "parameters": {

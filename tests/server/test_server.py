@@ -126,6 +126,43 @@ def test_response_format_json_schema_validates(client, model):
 
 
 @pytest.mark.usefixtures("http")
+def test_huge_enum_schema_is_answered_in_seconds(client, model):
+    # the enum was deduplicated in quadratic time on the event loop: minutes, the whole server blocked
+    values = [f"value-{i}" for i in range(20000)]
+    fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": {"type": "string", "enum": values}}}
+    start = time.monotonic()
+    out = client.chat.completions.create(model=model, messages=MESSAGES, response_format=fmt,
+                                         temperature=0, max_tokens=16)
+    assert time.monotonic() - start < 60
+    if out.choices[0].finish_reason == "stop":
+        assert json.loads(out.choices[0].message.content) in values
+
+
+@pytest.mark.usefixtures("http")
+def test_output_failing_its_schema_says_why(client, model, http):
+    # uniqueItems is left out of the grammar (strict unset), which forces [1, 1]: validation must fail
+    schema = {"type": "array", "items": {"enum": [1]}, "minItems": 2, "maxItems": 2, "uniqueItems": True}
+    fmt = {"type": "json_schema", "json_schema": {"name": "pair", "schema": schema}}
+    violations = http.get("/get_server_info").json()["num_grammar_violations"]
+    out = client.chat.completions.create(model=model, messages=MESSAGES, response_format=fmt,
+                                         temperature=0, max_tokens=20)
+    choice = out.choices[0]
+    assert choice.finish_reason == "abort"
+    assert "does not satisfy" in choice.model_extra["abort_message"]
+    assert "non-unique" in choice.model_extra["abort_message"]
+    last = [c for c in client.chat.completions.create(model=model, messages=MESSAGES, response_format=fmt,
+                                                      temperature=0, max_tokens=20, stream=True) if c.choices][-1]
+    assert last.choices[0].finish_reason == "abort" and "does not satisfy" in last.choices[0].model_extra["abort_message"]
+    assert http.get("/get_server_info").json()["num_grammar_violations"] == violations + 2
+
+
+@pytest.mark.usefixtures("http")
+def test_completions_max_tokens_null_is_16(http):
+    body = {"model": "default", "prompt": "Once upon", "max_tokens": None, "ignore_eos": True}
+    assert http.post("/v1/completions", json=body).json()["usage"]["completion_tokens"] == 16
+
+
+@pytest.mark.usefixtures("http")
 def test_continue_final_message_and_content_parts(client, model):
     parts = [{"role": "user", "content": [{"type": "text", "text": "Name"}, {"type": "text", "text": "a colour."}]},
              {"role": "assistant", "content": "My answer is"}]
@@ -271,6 +308,24 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": MESSAGES, "top_p": 0}, "top_p"),
     ("/v1/chat/completions", {"messages": MESSAGES, "n": 0}, "n"),
     ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": -1}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    # more than the server ever holds (16 running + 32 queued): impossible, so 400, not a 503 "retry later"
+    ("/v1/chat/completions", {"messages": MESSAGES, "n": 49, "max_tokens": 1}, "n"),
+    ("/v1/completions", {"prompt": ["a", "b"], "n": 25, "max_tokens": 1}, "n"),
+    ("/generate", {"text": "x", "sampling_params": {"n": 49, "max_new_tokens": 1}}, "n"),
+    ("/generate", {"text": ["x"] * 49, "sampling_params": {"max_new_tokens": 1}}, "text"),
+    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 5000}}, "max_new_tokens"),
+    ("/generate", {"input_ids": [5] * 1000, "sampling_params": {"max_new_tokens": 25}}, "max_new_tokens"),
+    # two output constraints: was one silently ignored
+    ("/v1/chat/completions", {"messages": MESSAGES, "json_schema": {"type": "integer"}, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string"}}}}, "json_schema"),
+    ("/v1/completions", {"prompt": "x", "regex": "a+", "response_format": {"type": "json_object"}}, "regex"),
+    # schema errors name the OpenAI field, not the native json_schema
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "strict": True, "schema": {"type": "array", "uniqueItems": True}}}},
+     "response_format.json_schema.schema"),
     ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 5000}, "max_tokens"),
     ("/v1/chat/completions", {"messages": MESSAGES, "stop": 3}, "stop"),
     ("/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"1": 500}}, "logit_bias"),
@@ -309,6 +364,8 @@ def test_bad_input_gets_400_and_server_lives(http, path, body, param):
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     if param is not None:
         assert error["param"] == param, error
+    if path.startswith("/v1/"):
+        assert "json_schema_lenient" not in error["message"]  # a native field; OpenAI's is strict
     assert http.get("/health").status_code == 200
 
 

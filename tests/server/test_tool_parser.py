@@ -37,8 +37,19 @@ CASES = [
     (f"{WEATHER}\n", None, [("get_weather", '{"city": "Paris", "days": 3}', True)]),
     (f"{WEATHER}\nDone.", "\nDone.", [("get_weather", '{"city": "Paris", "days": 3}', True)]),
     (f"{WEATHER} and {NOOP}", " and ", [("get_weather", '{"city": "Paris", "days": 3}', True), ("noop", "{}", True)]),
+    # cut off by max_tokens: the arguments without any of the end marker; complete only when whole JSON
     (call_begin("get_weather") + '{"city": "Pa', None, [("get_weather", '{"city": "Pa', False)]),
     (call_begin("get_weather"), None, [("get_weather", "", False)]),
+    (call_begin("f") + '{"n": 2}', None, [("f", '{"n": 2}', True)]),
+    (call_begin("f") + '{"n": 2}}\n</tool', None, [("f", '{"n": 2}', True)]),
+    (call_begin("f") + '{"n": 2}}\n', None, [("f", '{"n": 2}', True)]),
+    (call_begin("f") + '{"a": {"b": 1}}', None, [("f", '{"a": {"b": 1}}', True)]),
+    (call_begin("f") + '{"a": {"b": 1}}}', None, [("f", '{"a": {"b": 1}}', True)]),
+    (call_begin("f") + '{"a": {"b": 1}', None, [("f", '{"a": {"b": 1}', False)]),
+    # cut inside the header: call markup, neither content nor a call
+    ('<tool_call>\n{"name": "get_wea', "", []),
+    ('Let me look.\n<tool_call>\n{"na', "Let me look.\n", []),
+    ("<tool_call>", "", []),
     ('{"nested": "}\\n</tool_call> in a string"}' + WEATHER, '{"nested": "}\\n</tool_call> in a string"}',
      [("get_weather", '{"city": "Paris", "days": 3}', True)]),
     ("a <tool", "a <tool", []),
@@ -115,15 +126,30 @@ def test_plan_formats(choice, fmt):
 
 def test_answer_checks_arguments_and_finish_reason():
     plan = _plan(tool_choice="required")
-    message, reason = tool_message(plan, block("f", '{"n": 2}'), "stop")
-    assert reason == "tool_calls" and message["content"] is None
+    message, checked, reason = tool_message(plan, block("f", '{"n": 2}'), "stop")
+    assert reason == "tool_calls" and message["content"] is None and checked.dropped is None
     assert message["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"n": 2}'}
     assert message["tool_calls"][0]["id"].startswith("call_")
-    invalid, reason = tool_message(plan, block("f", '{"n": 9}'), "stop")  # what the grammar would forbid
-    assert invalid["tool_calls"] is None and reason == "abort"
-    cut, reason = tool_message(plan, call_begin("f") + '{"n"', "length")
-    assert reason == "length" and cut["tool_calls"][0]["function"]["arguments"] == '{"n"'
-    assert tool_message(plan, "plain", "stop")[1] == "stop"
+    invalid, checked, reason = tool_message(plan, block("f", '{"n": 9}'), "stop")  # what the grammar would forbid
+    assert invalid["tool_calls"] is None and reason == "abort" and invalid["content"] == ""
+    assert "the call of f was dropped" in checked.dropped and "/n" in checked.dropped
+    assert tool_message(plan, "plain", "stop")[2] == "stop"
+
+
+@pytest.mark.parametrize("text, content, arguments", [
+    (call_begin("f") + '{"n"', "", None),  # arguments not JSON: no call
+    ("Calling.\n" + call_begin("f") + '{"n": 2, "s": "a', "Calling.\n", None),
+    ('Calling.\n<tool_call>\n{"name": "f", "argu', "Calling.\n", None),  # no markup in content
+    (call_begin("f") + '{"n": 2}', None, '{"n": 2}'),  # arguments whole: the call, without the cut marker
+    (call_begin("f") + '{"n": 2}}\n</tool_', None, '{"n": 2}'),
+])
+def test_call_cut_by_max_tokens(text, content, arguments):
+    plan = _plan(tool_choice="auto")
+    message, _, reason = tool_message(plan, text, "length")
+    assert reason == "length" and message["content"] == content
+    calls = message["tool_calls"]
+    assert (calls[0]["function"]["arguments"] if calls else None) == arguments
+    assert "<tool_call>" not in (message["content"] or "")
 
 
 def test_stream_deltas_in_openai_shape():

@@ -20,9 +20,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from arborlm import __version__
 from arborlm.frontend_lang.chat_template import ChatTemplate
-from arborlm.runtime.request_batch import expand_requests, generate_batch
+from arborlm.errors import EngineDeadError, InvalidRequestError
+from arborlm.runtime.io_struct import TokenizedGenerateReqInput
+from arborlm.runtime.request_batch import expand_requests, generate_batch, rejected_result
 from arborlm.runtime.server.errors import APIError, bad_request
-from arborlm.runtime.server.openai_common import TokenText, parse_body
+from arborlm.runtime.server.openai_common import TokenText, check_possible, parse_body
 from arborlm.runtime.server.protocol import AbortRequest, GenerateRequest
 from arborlm.runtime.server.state import ServerState, get_state
 from arborlm.runtime.server.streaming import (
@@ -55,16 +57,73 @@ async def generate(request: Request) -> Response:
         top_logprobs_num=body.top_logprobs_num, stream=body.stream, cache_salt=body.cache_salt,
     )
     _assign_rids(reqs, body.rid)
-    manager.check_capacity(len(reqs))
+    prompt_param = "text" if body.text is not None else "input_ids"
+    check_possible(manager, len(reqs), prompt_param if _num_prompts(body) > 1 else "n")
+    built = await _build(manager, reqs, state.model_info.context_length)
     token_text = TokenText(state.tokenizer) if body.return_text_in_logprobs else None
     if body.stream:
-        built = [manager.build_request(r) for r in reqs]
         merged = merge_streams([manager.generate(b) for b in built])
         chunks = await cancel_on_disconnect(request, primed(merged))
         return sse_response(_stream(chunks, is_batch, token_text))
-    results = await cancel_on_disconnect(request, generate_batch(manager, reqs))
+    results = await cancel_on_disconnect(request, _run_batch(manager, built))
     results = [_with_token_text(r, token_text) for r in results]
     return JSONResponse(results if is_batch else results[0])
+
+
+def _num_prompts(body: GenerateRequest) -> int:
+    if isinstance(body.text, list):
+        return len(body.text)
+    if body.input_ids and isinstance(body.input_ids[0], list):
+        return len(body.input_ids)
+    return 1
+
+
+async def _build(manager, reqs: list[GenerateReqInput], context_len: int) -> list[TokenizedGenerateReqInput]:
+    """Validate and tokenize every request in a worker thread (a large JSON schema takes a while
+    to prepare; the loop keeps answering meanwhile), then check they fit the context and the queue.
+
+    Raises
+    ------
+    InvalidRequestError: a bad field (400).
+    APIError: 400 when prompt + an explicit `max_new_tokens` exceed the context.
+    ServerOverloadedError: no room in the queue now (503).
+    """
+    built = await asyncio.to_thread(lambda: [manager.build_request(r) for r in reqs])
+    for req, one in zip(reqs, built):
+        if "max_new_tokens" in (req.sampling_params or {}):
+            _check_context(len(one.input_ids), one.sampling_params.max_new_tokens, context_len)
+    if len({b.rid for b in built}) < len(built):
+        raise bad_request("the request ids of a batch must be distinct", param="rid")
+    manager.check_capacity(len(built))
+    return built
+
+
+def _check_context(prompt_len: int, max_new_tokens: int, context_len: int) -> None:
+    """400 `context_length_exceeded` when the prompt and `max_new_tokens` do not fit the context
+    (without an explicit `max_new_tokens`, generation just stops at the context's end)."""
+    if prompt_len + max_new_tokens > context_len:
+        raise bad_request(
+            f"this model's context is {context_len} tokens, but {prompt_len + max_new_tokens} were requested "
+            f"({prompt_len} in the prompt, {max_new_tokens} in max_new_tokens); reduce the prompt or max_new_tokens",
+            param="max_new_tokens", code="context_length_exceeded",
+        )
+
+
+async def _run_batch(manager, built: list[TokenizedGenerateReqInput]) -> list[dict[str, Any]]:
+    """Run built requests together, as `generate_batch` runs unbuilt ones: a single request's late
+    refusal (a grammar that did not compile) raises; in a batch that item reports it alone."""
+
+    async def one(req: TokenizedGenerateReqInput) -> dict[str, Any]:
+        try:
+            async for result in manager.generate(req):
+                return result
+        except InvalidRequestError as e:
+            if len(built) == 1:
+                raise
+            return rejected_result(req, e)
+        raise EngineDeadError("no result")
+
+    return list(await asyncio.gather(*(one(r) for r in built)))
 
 
 def _assign_rids(reqs: list[GenerateReqInput], rid: str | list[str] | None) -> None:
@@ -182,7 +241,9 @@ def _public_args(state: ServerState) -> dict[str, Any]:
 # ---- control -----------------------------------------------------------------
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+# One route per method, each with its own OpenAPI operation id (one route with two methods repeats the id).
+@router.get("/flush_cache", operation_id="flush_cache_get")
+@router.post("/flush_cache", operation_id="flush_cache_post")
 async def flush_cache(request: Request) -> dict[str, Any]:
     """Empty the radix cache; 400 while requests are in flight."""
     if not await get_state(request).live_manager().flush_cache():

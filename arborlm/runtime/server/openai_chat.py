@@ -11,6 +11,7 @@ argument text.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,15 +23,18 @@ from arborlm.runtime.server.chat import render_chat
 from arborlm.runtime.server.openai_common import (
     TokenText,
     UsageCounter,
+    abort_message,
     build_all,
     chat_logprobs,
     check_prompt_len,
     choice_rid,
+    field_names,
     finish_reason,
     last_logprobs,
     max_new_tokens,
     new_id,
     now_s,
+    openai_errors,
     parse_body,
     run_all,
     sampling_params,
@@ -91,7 +95,7 @@ async def chat_completions(request: Request) -> Response:
     req = await parse_body(request, ChatCompletionRequest)
     state.check_model(req.model)
     manager = state.live_manager()
-    plan = plan_tools(req, state.server_args.grammar.grammar_backend)
+    plan = await asyncio.to_thread(plan_tools, req, state.server_args.grammar.grammar_backend)
     input_ids = render_chat(state.tokenizer, req.messages, req.continue_final_message, req.chat_template_kwargs,
                             tools=plan.definitions if plan else None)
     context = state.model_info.context_length
@@ -105,12 +109,13 @@ async def chat_completions(request: Request) -> Response:
                          rid=choice_rid(req.rid, i, req.n), cache_salt=req.cache_salt)
         for i in range(req.n)
     ]
-    built = build_all(manager, reqs)
     call = ChatCall(new_id("chatcmpl", req.rid), now_s(), state.model_name, req, TokenText(state.tokenizer), plan)
-    if req.stream:
-        chunks = await cancel_on_disconnect(request, primed(stream_all(manager, built)))
-        return sse_response(_stream(call, chunks))
-    results = await cancel_on_disconnect(request, run_all(manager, built))
+    with openai_errors(field_names(req)):
+        built = await build_all(manager, reqs)
+        if req.stream:
+            chunks = await cancel_on_disconnect(request, primed(stream_all(manager, built)))
+            return sse_response(_stream(call, chunks))
+        results = await cancel_on_disconnect(request, run_all(manager, built))
     return JSONResponse(_answer(call, results))
 
 
@@ -122,15 +127,17 @@ def _answer(call: ChatCall, results: list[dict[str, Any]]) -> dict[str, Any]:
         usage.add(meta, first_of_prompt=index == 0)
         tokens, tops = last_logprobs(meta, len(result["output_ids"]))
         message = {"role": "assistant", "content": result["text"], "tool_calls": None}
-        reason = finish_reason(meta)
+        reason, why = finish_reason(meta), abort_message(meta)
         if call.tools is not None:
-            message, reason = tool_message(call.tools, result["text"], reason, meta.get("id"))
+            message, checked, reason = tool_message(call.tools, result["text"], reason, meta.get("id"))
+            why = checked.dropped or why
         choices.append({
             "index": index,
             "message": message,
             "logprobs": call.logprobs(tokens, tops),
             "finish_reason": reason,
             "matched_stop": meta.get("matched_stop"),
+            **_abort_field(reason, why),
         })
     return {"id": call.id, "object": "chat.completion", "created": call.created, "model": call.model,
             "choices": choices, "usage": usage.to_dict()}
@@ -144,20 +151,28 @@ async def _stream(call: ChatCall, chunks: AsyncIterator[tuple[int, dict[str, Any
     async for index, chunk in chunks:
         meta = chunk["meta_info"]
         logprobs = call.logprobs(*last_logprobs(meta, len(chunk["output_ids"])))
-        reason = finish_reason(meta)
+        reason, why = finish_reason(meta), abort_message(meta)
         if parsers is None:
             if chunk["text"] or (logprobs and logprobs["content"]):
                 yield sse(call.chunk([_delta(index, {"content": chunk["text"]}, logprobs)]))
         else:
             for delta in _tool_deltas(parsers[index], chunk["text"], reason is not None, logprobs):
                 yield sse(call.chunk([_delta(index, *delta)]))
-            reason = _streamed_tool_reason(call, parsers[index], reason, meta)
+            if reason is not None:
+                checked = checked_calls(call.tools, parsers[index], meta.get("id"))
+                reason, why = tool_finish_reason(reason, checked), checked.dropped or why
         if reason is not None:
             usage.add(meta, first_of_prompt=index == 0)
-            yield sse(call.chunk([_delta(index, {}, None, reason, meta.get("matched_stop"))]))
+            last = _delta(index, {}, None, reason, meta.get("matched_stop"))
+            yield sse(call.chunk([{**last, **_abort_field(reason, why)}]))
     if call.req.stream_options is not None and call.req.stream_options.include_usage:
         yield sse(call.chunk([], usage.to_dict()))
     yield SSE_DONE
+
+
+def _abort_field(reason: str | None, why: str | None) -> dict[str, Any]:
+    """`abort_message` beside finish_reason `abort`: why the choice was cut short (OpenAI has no field for it)."""
+    return {"abort_message": why} if reason == "abort" else {}
 
 
 def _delta(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None,
@@ -174,11 +189,3 @@ def _tool_deltas(parser: ToolCallParser, text: str, last: bool, logprobs: dict[s
     if not deltas and logprobs and logprobs["content"]:
         deltas = [{"content": ""}]
     return [(d, logprobs if i == 0 else None) for i, d in enumerate(deltas)]
-
-
-def _streamed_tool_reason(call: ChatCall, parser: ToolCallParser, reason: str | None,
-                          meta: dict[str, Any]) -> str | None:
-    if reason is None:
-        return None
-    calls, dropped = checked_calls(call.tools, parser, meta.get("id"))
-    return tool_finish_reason(reason, calls, dropped)

@@ -5,9 +5,11 @@ logprobs in OpenAI's shapes, and running the requests of one call together.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -16,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 
 from arborlm.errors import InvalidRequestError
 from arborlm.runtime.io_struct import TokenizedGenerateReqInput
-from arborlm.runtime.server.errors import bad_request, validation_error
+from arborlm.runtime.server.errors import APIError, bad_request, validation_error
 from arborlm.runtime.server.protocol import ResponseFormat, SamplingRequest
 from arborlm.runtime.server.streaming import merge_streams
 from arborlm.runtime.tokenizer_manager import GenerateReqInput, TokenizerManager
@@ -25,6 +27,12 @@ B = TypeVar("B", bound=BaseModel)
 
 # SamplingParams names that OpenAI's API spells differently.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "input_ids": "prompt"}
+# /v1/completions without max_tokens (or with null) answers 16 tokens, as OpenAI's does.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+# SGLang's grammar fields, each a constraint of its own (response_format is another).
+_CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
+# The lenient-mode advice of the schema checker, which names the native sampling field.
+_LENIENT_ADVICE = "Set json_schema_lenient"
 # Request fields copied as they are into SamplingParams when given.
 _SAME_NAME_FIELDS = (
     "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "stop",
@@ -90,17 +98,21 @@ def sampling_params(req: SamplingRequest, max_tokens: int) -> dict[str, Any]:
 
     Raises
     ------
-    APIError: 400 for two grammar constraints at once or a bad response_format.
+    APIError: 400 for two output constraints at once (`response_format` and
+        SGLang's `json_schema`, `regex`, `ebnf` or `structural_tag`, or two of
+        those), or a bad response_format.
     """
+    given = [k for k in _CONSTRAINT_FIELDS if getattr(req, k) is not None]
+    if req.response_format is not None and req.response_format.type != "text":
+        given.insert(0, "response_format")
+    if len(given) > 1:
+        raise bad_request(f"give only one of {' and '.join(given)}: each is an output constraint",
+                          param=given[1])
     params = {name: getattr(req, name) for name in _SAME_NAME_FIELDS if getattr(req, name) is not None}
     params["max_new_tokens"] = max_tokens
     if req.min_tokens is not None:
         params["min_new_tokens"] = req.min_tokens
     params.update(response_format_params(req.response_format))
-    given = [k for k in ("json_schema", "regex", "ebnf", "structural_tag") if k in params]
-    if len(given) > 1:
-        raise bad_request(f"give at most one output constraint (response_format, regex, ebnf, ...), got {given}",
-                          param=given[1])
     return params
 
 
@@ -110,7 +122,7 @@ def response_format_params(fmt: ResponseFormat | None) -> dict[str, Any]:
     `json_object` → any JSON object (OpenAI's JSON mode answers an object);
     `json_schema` → that schema, every keyword enforced when `strict` is true,
     else unsupported keywords are dropped from the grammar and the output is
-    still validated (`json_schema_lenient`).
+    still validated (the native `json_schema_lenient`).
     """
     if fmt is None or fmt.type == "text":
         return {}
@@ -118,6 +130,51 @@ def response_format_params(fmt: ResponseFormat | None) -> dict[str, Any]:
         return {"json_schema": {"type": "object"}}
     spec = fmt.json_schema
     return {"json_schema": spec.schema_, "json_schema_lenient": not spec.strict}
+
+
+def field_names(req: SamplingRequest) -> dict[str, str]:
+    """The fields of this request that the runtime's errors name by their native names,
+    as the request spells them (`json_schema` is `response_format.json_schema.schema`
+    when the schema came in `response_format`)."""
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_schema":
+        return {"json_schema": "response_format.json_schema.schema"}
+    if fmt is not None and fmt.type == "json_object":
+        return {"json_schema": "response_format"}
+    return {}
+
+
+def openai_error(error: InvalidRequestError, names: dict[str, str] | None = None) -> APIError:
+    """A runtime error as a 400 in the OpenAI request's terms: `param` and the message's
+    leading field name mapped (`names`, then `max_new_tokens` → `max_tokens` and the like),
+    and the lenient-mode advice as the OpenAI request can follow it."""
+    param = (names or {}).get(error.param) or openai_param(error.param)
+    message = error.message
+    if error.param and param != error.param and message.startswith(error.param):
+        message = param + message[len(error.param):]
+    return bad_request(with_lenient_advice(message, param), param)
+
+
+def with_lenient_advice(message: str, param: str | None) -> str:
+    """`message` with the native `json_schema_lenient` advice replaced by what `param`'s request can set."""
+    if _LENIENT_ADVICE not in message:
+        return message
+    if param == "response_format.json_schema.schema":
+        advice = "Leave response_format.json_schema.strict unset or false"
+    elif param is not None and param.startswith("tools["):
+        advice = f"Leave {param.removesuffix('.parameters')}.strict unset or false"
+    else:
+        advice = "Send the schema as response_format (json_schema, strict unset or false)"
+    return message.replace(_LENIENT_ADVICE, advice)
+
+
+@contextlib.contextmanager
+def openai_errors(names: dict[str, str] | None = None) -> Iterator[None]:
+    """Raise the runtime's `InvalidRequestError`s met inside as `openai_error`s."""
+    try:
+        yield
+    except InvalidRequestError as e:
+        raise openai_error(e, names) from None
 
 
 def seeded(params: dict[str, Any], index: int) -> dict[str, Any]:
@@ -134,22 +191,43 @@ def choice_rid(rid: str | None, index: int, count: int) -> str | None:
     return rid if count == 1 else f"{rid}-{index}"
 
 
-def build_all(manager: TokenizerManager, reqs: list[GenerateReqInput]) -> list[TokenizedGenerateReqInput]:
+async def build_all(manager: TokenizerManager, reqs: list[GenerateReqInput]) -> list[TokenizedGenerateReqInput]:
     """Validate and tokenize every request before any runs; check the queue has room for all.
+
+    The work runs in a worker thread: preparing a large JSON schema or
+    tokenizing a long prompt takes a while, and the event loop keeps answering
+    other requests meanwhile.
 
     Raises
     ------
-    APIError: 400 for a bad field (named as the OpenAI request names it).
-    ServerOverloadedError: no room for them (503).
+    InvalidRequestError: a bad field (native name; see `openai_errors`).
+    APIError: 400 when the call makes more requests than the server can ever
+        hold at once (`max_running_requests + max_queued_requests`).
+    ServerOverloadedError: no room for them now (503).
     """
-    try:
-        built = [manager.build_request(r) for r in reqs]
-    except InvalidRequestError as e:
-        raise bad_request(e.message, openai_param(e.param)) from None
+    check_possible(manager, len(reqs), "n")
+    built = await asyncio.to_thread(lambda: [manager.build_request(r) for r in reqs])
     if len({b.rid for b in built}) < len(built):
         raise bad_request("request ids of one call must be distinct", param="rid")
     manager.check_capacity(len(built))
     return built
+
+
+def check_possible(manager: TokenizerManager, num_reqs: int, param: str) -> None:
+    """400 when `num_reqs` requests of one call can never be in flight together (503 is for busy).
+
+    Raises
+    ------
+    APIError: 400 naming `param`.
+    """
+    limit = manager.max_in_flight
+    if limit is not None and num_reqs > limit:
+        raise bad_request(
+            f"this call makes {num_reqs} requests (prompts x n), more than this server ever holds at once: "
+            f"{limit} (max_running_requests={manager.model_info.max_running_requests} + "
+            f"max_queued_requests={manager.server_args.scheduler.max_queued_requests}); send fewer per call",
+            param=param,
+        )
 
 
 def stream_all(manager: TokenizerManager, built: list[TokenizedGenerateReqInput]
@@ -176,6 +254,15 @@ def finish_reason(meta: dict[str, Any]) -> str | None:
     """OpenAI's finish_reason from SGLang's dict: stop, length, or abort."""
     reason = meta.get("finish_reason")
     return None if reason is None else reason["type"]
+
+
+def abort_message(meta: dict[str, Any]) -> str | None:
+    """Why an aborted choice stopped (SGLang's `finish_reason.message`): a finished output
+    that failed its JSON schema, an abort by request id, ...; None for other finishes."""
+    reason = meta.get("finish_reason")
+    if reason is None or reason.get("type") != "abort":
+        return None
+    return reason.get("message") or "the request was aborted"
 
 
 @dataclass

@@ -15,17 +15,21 @@ from fastapi.responses import JSONResponse, Response
 
 from arborlm.runtime.server.errors import bad_request
 from arborlm.runtime.server.openai_common import (
+    DEFAULT_COMPLETION_MAX_TOKENS,
     TokenText,
     UsageCounter,
+    abort_message,
     build_all,
     check_prompt_len,
     choice_rid,
     completion_logprobs,
+    field_names,
     finish_reason,
     last_logprobs,
     max_new_tokens,
     new_id,
     now_s,
+    openai_errors,
     parse_body,
     run_all,
     sampling_params,
@@ -110,22 +114,24 @@ async def completions(request: Request) -> Response:
     context = state.model_info.context_length
     prompts = prompt_ids(state, req.prompt)
     total = len(prompts) * req.n
+    requested = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     reqs = []
     for ids in prompts:
         check_prompt_len(len(ids), context, "prompt")
-        params = sampling_params(req, max_new_tokens(req.max_tokens, len(ids), context, "max_tokens"))
+        params = sampling_params(req, max_new_tokens(requested, len(ids), context, "max_tokens"))
         for i in range(req.n):
             reqs.append(GenerateReqInput(
                 input_ids=ids, sampling_params=seeded(params, i), return_logprob=req.logprobs is not None,
                 top_logprobs_num=req.logprobs or 0, stream=req.stream,
                 rid=choice_rid(req.rid, len(reqs), total), cache_salt=req.cache_salt,
             ))
-    built = build_all(manager, reqs)
     call = CompletionCall(new_id("cmpl", req.rid), now_s(), state.model_name, req, TokenText(state.tokenizer))
-    if req.stream:
-        chunks = await cancel_on_disconnect(request, primed(stream_all(manager, built)))
-        return sse_response(_stream(call, chunks))
-    results = await cancel_on_disconnect(request, run_all(manager, built))
+    with openai_errors(field_names(req)):
+        built = await build_all(manager, reqs)
+        if req.stream:
+            chunks = await cancel_on_disconnect(request, primed(stream_all(manager, built)))
+            return sse_response(_stream(call, chunks))
+        results = await cancel_on_disconnect(request, run_all(manager, built))
     return JSONResponse(_answer(call, results))
 
 
@@ -137,7 +143,7 @@ def _answer(call: CompletionCall, results: list[dict[str, Any]]) -> dict[str, An
         usage.add(meta, first_of_prompt=index % call.req.n == 0)
         tokens, tops = last_logprobs(meta, len(result["output_ids"]))
         choices.append(_choice(index, result["text"], call.logprobs(index, tokens, tops),
-                               finish_reason(meta), meta.get("matched_stop")))
+                               finish_reason(meta), meta.get("matched_stop"), abort_message(meta)))
     return call.body(choices, usage.to_dict())
 
 
@@ -151,13 +157,17 @@ async def _stream(call: CompletionCall, chunks: AsyncIterator[tuple[int, dict[st
         reason = finish_reason(meta)
         if reason is not None:
             usage.add(meta, first_of_prompt=index % call.req.n == 0)
-            yield sse(call.body([_choice(index, "", None, reason, meta.get("matched_stop"))]))
+            yield sse(call.body([_choice(index, "", None, reason, meta.get("matched_stop"), abort_message(meta))]))
     if call.req.stream_options is not None and call.req.stream_options.include_usage:
         yield sse(call.body([], usage.to_dict()))
     yield SSE_DONE
 
 
 def _choice(index: int, text: str, logprobs: dict[str, Any] | None, reason: str | None = None,
-            matched_stop: Any = None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
-            "matched_stop": matched_stop}
+            matched_stop: Any = None, why: str | None = None) -> dict[str, Any]:
+    """One choice; an aborted one says why in `abort_message` (OpenAI has no field for it)."""
+    out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
+           "matched_stop": matched_stop}
+    if reason == "abort":
+        out["abort_message"] = why
+    return out

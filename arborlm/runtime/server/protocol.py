@@ -92,7 +92,8 @@ class CompletionRequest(SamplingRequest):
     """`POST /v1/completions`; `prompt` is a string, strings, token ids or lists of token ids."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=0)
+    # None (null) means OpenAI's default too: 16 (see openai_completions)
+    max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -174,8 +175,8 @@ class ChatCompletionRequest(SamplingRequest):
     """
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[ToolDefinition] | None = None

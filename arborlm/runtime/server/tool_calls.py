@@ -1,9 +1,10 @@
 """Tool calls on `/v1/chat/completions`: `tools` and `tool_choice` → the grammar, and the
 model's output → OpenAI's `tool_calls`.
 
-`plan_tools` checks the request's tools (each `parameters` schema is prepared
-as a `json_schema` would be, so a broken one is a 400 naming
-`tools[i].function.parameters`) and resolves `tool_choice`:
+`plan_tools` checks the request's tools (each `parameters` must be the schema
+of an object, `{"type": "object", ...}`, and is prepared as a `json_schema`
+would be, so a broken one is a 400 naming `tools[i].function.parameters`) and
+resolves `tool_choice`:
 
 - ``none`` (or no tools): no tools are offered, the output is plain text;
 - ``auto`` (the default with tools): free text, and wherever the model writes
@@ -33,6 +34,7 @@ from arborlm.constrained.json_schema import (
     validate_json_output,
 )
 from arborlm.runtime.server.errors import bad_request
+from arborlm.runtime.server.openai_common import openai_error
 from arborlm.runtime.server.protocol import ChatCompletionRequest, ToolDefinition
 from arborlm.runtime.server.tool_parser import (
     CALL_END,
@@ -168,12 +170,15 @@ def _tool(definition: ToolDefinition, index: int, grammar_backend: str) -> Tool:
         raise bad_request("a function name must be 1 to 64 letters, digits, underscores or dashes, "
                           f"got {function.name!r}", param=f"tools[{index}].function.name")
     param = f"tools[{index}].function.parameters"
-    parameters = NO_PARAMETERS if function.parameters is None else function.parameters
+    parameters = NO_PARAMETERS if not function.parameters else function.parameters
+    if parameters.get("type") != "object":
+        raise bad_request(f'{param} must be the JSON Schema of an object ({{"type": "object", "properties": ...}}): '
+                          f"the arguments are a JSON object; got type {parameters.get('type')!r}", param=param)
     try:
         schema = prepare_json_schema(parameters, lenient=not function.strict)
         backend_class(grammar_backend).check(GrammarKey("json_schema", schema.text))
     except GrammarError as e:
-        raise bad_request(f"{param}: {e.message}", param=param) from None
+        raise openai_error(e, {e.param: param}) from None
     return Tool(function.name, definition.model_dump(exclude_none=True), schema)
 
 
@@ -207,44 +212,60 @@ def tool_call_dict(call: ParsedCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def checked_calls(plan: ToolPlan, parser: ToolCallParser, rid: str | None = None) -> tuple[list[ParsedCall], bool]:
-    """The calls to return, and whether one had to be dropped.
+def checked_calls(plan: ToolPlan, parser: ToolCallParser, rid: str | None = None) -> CheckedCalls:
+    """The calls to return, and why one had to be dropped.
 
-    A complete call whose arguments fail its schema (possible only for keywords
-    the grammar leaves to validation) is dropped and logged; a call cut off by
-    `max_tokens` or a stop string is kept with its partial arguments, as OpenAI does.
+    A call cut off (by `max_tokens` or a stop string) before its arguments
+    were whole JSON is not returned, as vLLM and SGLang do; the finish_reason
+    (`length`) says the answer was cut. A complete call whose arguments fail
+    its schema (possible only for keywords the grammar leaves to validation)
+    is dropped and logged, and the answer ends with `abort` and that reason.
     """
-    kept, dropped = [], False
+    kept, problems = [], []
     for call in parser.calls:
-        problem = plan.check_call(call) if call.complete else None
+        if not call.complete:
+            continue
+        problem = plan.check_call(call)
         if problem is None:
             kept.append(call)
         else:
             logger.warning("request %s: tool call %s dropped: %s", rid, call.name, problem)
-            dropped = True
-    return kept, dropped
+            problems.append(f"the call of {call.name} was dropped: {problem}")
+    return CheckedCalls(kept, "; ".join(problems) or None)
 
 
-def tool_finish_reason(reason: str | None, calls: list[ParsedCall], dropped: bool) -> str | None:
+@dataclass(frozen=True)
+class CheckedCalls:
+    """The calls of one answer that are returned, and why one was dropped (None when none was)."""
+
+    calls: list[ParsedCall]
+    dropped: str | None = None
+
+
+def tool_finish_reason(reason: str | None, checked: CheckedCalls) -> str | None:
     """OpenAI's finish_reason: `tool_calls` when the answer ended after calling tools;
     `abort` when a call failed its schema; else the scheduler's reason."""
     if reason is None:
         return None
-    if dropped:
+    if checked.dropped is not None:
         return "abort"
-    if reason == "stop" and calls and all(c.complete for c in calls):
+    if reason == "stop" and checked.calls:
         return "tool_calls"
     return reason
 
 
 def tool_message(plan: ToolPlan, text: str, reason: str | None, rid: str | None = None
-                 ) -> tuple[dict[str, Any], str | None]:
-    """A non-streamed choice's `message` and finish_reason from its whole output text."""
+                 ) -> tuple[dict[str, Any], CheckedCalls, str | None]:
+    """A non-streamed choice's `message`, its checked calls and finish_reason, from its whole output text.
+
+    `content` is None only when the answer is tool calls alone.
+    """
     parser = parse_tool_calls(text)
-    calls, dropped = checked_calls(plan, parser, rid)
-    message = {"role": "assistant", "content": parser.content,
-               "tool_calls": [tool_call_dict(c) for c in calls] or None}
-    return message, tool_finish_reason(reason, calls, dropped)
+    checked = checked_calls(plan, parser, rid)
+    content = parser.content if checked.calls else parser.content or ""
+    message = {"role": "assistant", "content": content,
+               "tool_calls": [tool_call_dict(c) for c in checked.calls] or None}
+    return message, checked, tool_finish_reason(reason, checked)
 
 
 def delta_of(event: Event) -> dict[str, Any]:

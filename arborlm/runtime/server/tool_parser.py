@@ -18,6 +18,7 @@ non-streamed answers agree.
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -46,7 +47,12 @@ def new_call_id() -> str:
 
 @dataclass
 class ParsedCall:
-    """One tool call found in the output; `arguments` is the raw JSON text the model wrote."""
+    """One tool call found in the output; `arguments` is the raw JSON text the model wrote.
+
+    `complete`: the arguments are whole (the end marker came, or the output
+    ended right after the arguments and they parse as JSON); a call cut off
+    before that is not returned as a tool call.
+    """
 
     name: str
     arguments: str = ""
@@ -115,19 +121,34 @@ class ToolCallParser:
         return events
 
     def finish(self) -> list[Event]:
-        """Events of the held-back rest: a partial marker is text, a cut-off call keeps its partial arguments."""
+        """Events of the held-back rest, once the output has ended.
+
+        A partial marker after text is text. A call cut inside its header
+        (``<tool_call>`` and part of ``{"name": ...``) is dropped: under the
+        tool grammar that text can only be call markup, so it is neither
+        content nor a call. A call cut inside its arguments keeps them without
+        the cut end marker; it is `complete` only if they are whole JSON (the
+        output ended between the arguments and ``}\n</tool_call>``).
+        """
         events: list[Event] = []
         while self._step(events, final=True):
             pass
-        if self._mode == self._HEADER:
-            self._emit_text(events, CALL_TRIGGER + self._buffer)
-        elif self._mode == self._ARGUMENTS:
-            self._emit_arguments(events, self._buffer)
-        else:
+        if self._mode == self._ARGUMENTS:
+            self._finish_arguments(events)
+        elif self._mode == self._TEXT:
             self._emit_segment(events, self._buffer)
         self._buffer = ""
         self._mode = self._TEXT
         return events
+
+    def _finish_arguments(self, events: list[Event]) -> None:
+        """The output ended inside the last call. The held-back rest (a prefix of ``}\n</tool_call>``)
+        is the start of the end marker when the arguments before it are whole JSON (the grammar
+        writes the marker only after them); else it is theirs (``{"a": {"b": 1}`` + ``}``)."""
+        call = self.calls[-1]
+        if not _is_json(call.arguments):
+            self._emit_arguments(events, self._buffer)
+        call.complete = _is_json(call.arguments)
 
     # ---- one state at a time; True when another step may follow
 
@@ -199,6 +220,14 @@ class ToolCallParser:
         if text:
             self.calls[-1].arguments += text
             events.append(ArgumentsDelta(len(self.calls) - 1, text))
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _partial_marker_len(text: str, marker: str) -> int:
