@@ -1,20 +1,37 @@
 """Public functions of the DSL, with SGLang's names and signatures.
 
-`import arborlm as sgl` then `@sgl.function`, `sgl.gen`, `sgl.system/user/assistant`,
-`sgl.set_default_backend` work as in SGLang's frontend for these primitives.
+`import arborlm as sgl` then `@sgl.function`, `sgl.gen`, `sgl.select`,
+`sgl.system/user/assistant`, `sgl.set_default_backend`, `sgl.flush_cache`,
+`sgl.get_server_info` work as in SGLang's frontend (``sglang/lang/api.py``).
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import re
 from typing import Any
 
 from arborlm.errors import InvalidRequestError
 from arborlm.frontend_lang.backend.base_backend import BaseBackend
-from arborlm.frontend_lang.interpreter import ProgramState
-from arborlm.frontend_lang.ir import SglExpr, SglGen, role_block
+from arborlm.frontend_lang.choices import ChoicesSamplingMethod, token_length_normalized
+from arborlm.frontend_lang.ir import (
+    SglExpr,
+    SglGen,
+    SglRoleBegin,
+    SglRoleEnd,
+    SglSelect,
+    role_block,
+)
+from arborlm.frontend_lang.select import check_choices
+
+# The regex each `dtype` of `gen` constrains the output to (SGLang's REGEX_INT... without
+# trailing whitespace, so the grammar ends and the model stops right after the value).
+DTYPE_REGEX = {
+    int: r"[-+]?[0-9]{1,18}",
+    float: r"[-+]?[0-9]{1,18}(\.[0-9]{1,18})?",
+    bool: r"(True|False)",
+    str: r'"[^"\\\n]*"',
+}
+_DTYPE_NAMES = {"int": int, "float": float, "bool": bool, "str": str}
 
 
 class _DefaultBackend:
@@ -37,7 +54,10 @@ def as_backend(backend: Any) -> BaseBackend:
     if isinstance(backend, Engine):
         from arborlm.frontend_lang.backend.engine_backend import EngineBackend
 
-        return EngineBackend(backend)
+        cached = getattr(backend, "_frontend_backend", None)
+        if cached is None:  # one per engine: deriving the chat template renders it several times
+            cached = backend._frontend_backend = EngineBackend(backend)
+        return cached
     raise TypeError(f"expected a backend or an arborlm.Engine, got {type(backend).__name__}")
 
 
@@ -50,9 +70,35 @@ def get_default_backend() -> BaseBackend | None:
     return _DefaultBackend.backend
 
 
+def resolve_backend(backend: Any = None) -> BaseBackend:
+    """`backend`, else the default one.
+
+    Raises
+    ------
+    ValueError: no backend given and none set as default.
+    """
+    if backend is not None:
+        return as_backend(backend)
+    if _DefaultBackend.backend is None:
+        raise ValueError("no backend: pass backend=... or call set_default_backend(...)")
+    return _DefaultBackend.backend
+
+
+def flush_cache(backend: Any = None) -> bool:
+    """Empty the (default) backend's radix cache; False while requests are in flight."""
+    return resolve_backend(backend).flush_cache()
+
+
+def get_server_info(backend: Any = None) -> dict[str, Any]:
+    """The (default) backend's server info: KV slots, running requests, cache hit rate..."""
+    return resolve_backend(backend).get_server_info()
+
+
 def gen(
     name: str | None = None,
     max_tokens: int | None = None,
+    min_tokens: int | None = None,
+    n: int | None = None,
     stop: str | list[str] | None = None,
     stop_token_ids: list[int] | None = None,
     temperature: float | None = None,
@@ -63,30 +109,50 @@ def gen(
     presence_penalty: float | None = None,
     repetition_penalty: float | None = None,
     ignore_eos: bool | None = None,
-    min_tokens: int | None = None,
-    seed: int | None = None,
+    return_logprob: bool | None = None,
+    logprob_start_len: int | None = None,
+    top_logprobs_num: int | None = None,
+    return_text_in_logprobs: bool | None = None,
+    dtype: type | str | None = None,
+    choices: list[str] | None = None,
+    choices_method: ChoicesSamplingMethod | None = None,
     regex: str | None = None,
     json_schema: Any = None,
-    choices: list[str] | None = None,
-) -> SglGen:
+    seed: int | None = None,
+) -> SglExpr:
     """Generate text at this point of the program and store it under `name`.
 
     `max_tokens` maps to `max_new_tokens` and `min_tokens` to `min_new_tokens`;
     unset fields take the program's defaults, then `SamplingParams`' defaults.
 
     At most one constraint: `regex`; `json_schema` as a dict, its JSON text or
-    a pydantic model class; `choices`, a list of strings the output must equal
-    one of (compiled to a regex alternation).
+    a pydantic model class; `dtype` (int, float, bool or str, as a type or its
+    name: a regex for that literal; the variable holds the text); `choices`,
+    which makes this a `select` (SGLang's meaning: the choices are scored, not sampled).
 
     Raises
     ------
-    InvalidRequestError: more than one constraint, or empty / non-string choices.
+    InvalidRequestError: more than one constraint, empty / non-string choices,
+        an invalid regex, an unknown dtype, `n` other than 1.
     """
-    given = [n for n, v in (("regex", regex), ("json_schema", json_schema), ("choices", choices)) if v is not None]
+    given = [k for k, v in (("regex", regex), ("json_schema", json_schema), ("choices", choices),
+                            ("dtype", dtype)) if v is not None]
     if len(given) > 1:
-        raise InvalidRequestError(f"give at most one of regex, json_schema and choices, got {given}", given[1])
+        raise InvalidRequestError(f"give at most one of regex, json_schema, dtype and choices, got {given}", given[1])
     if choices is not None:
-        regex = choices_regex(choices)
+        return select(name, choices, 0.0 if temperature is None else temperature,
+                      choices_method or token_length_normalized)
+    if n not in (None, 1):
+        raise InvalidRequestError("gen takes n=1; use s.fork(n) for several samples", "n")
+    if dtype is not None:
+        regex = DTYPE_REGEX.get(_DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else dtype)
+        if regex is None:
+            raise InvalidRequestError(f"dtype must be int, float, bool or str, got {dtype!r}", "dtype")
+    if regex is not None:
+        try:
+            re.compile(regex)
+        except re.error as e:
+            raise InvalidRequestError(f"invalid regex {regex!r}: {e}", "regex") from e
     sampling = {
         "max_new_tokens": max_tokens,
         "stop": stop,
@@ -104,19 +170,40 @@ def gen(
         "regex": regex,
         "json_schema": schema_of(json_schema),
     }
-    return SglGen(name, {k: v for k, v in sampling.items() if v is not None})
+    logprobs = {"return_logprob": return_logprob, "logprob_start_len": logprob_start_len,
+                "top_logprobs_num": top_logprobs_num}
+    return SglGen(name, {k: v for k, v in sampling.items() if v is not None},
+                  {k: v for k, v in logprobs.items() if v is not None})
 
 
-def choices_regex(choices: list[str]) -> str:
-    """A regex that full-matches exactly one of ``choices`` (escaped literally).
+def gen_int(name: str | None = None, **kwargs: Any) -> SglExpr:
+    """`gen(name, dtype=int, ...)`: an integer literal."""
+    return gen(name, dtype=int, **kwargs)
+
+
+def gen_string(name: str | None = None, **kwargs: Any) -> SglExpr:
+    """`gen(name, dtype=str, ...)`: a double-quoted string literal."""
+    return gen(name, dtype=str, **kwargs)
+
+
+def select(
+    name: str | None = None,
+    choices: list[str] | None = None,
+    temperature: float = 0.0,
+    choices_method: ChoicesSamplingMethod = token_length_normalized,
+) -> SglSelect:
+    """Append the choice the model finds most likely here and store it under `name`.
+
+    Every choice is scored as a continuation of the program text in one batch
+    that shares the program's cached prefix (`select.py`); `choices_method`
+    turns the token log probabilities into the decision; its scores go to the
+    variable's meta info.
 
     Raises
     ------
-    InvalidRequestError: ``choices`` empty or not all strings.
+    InvalidRequestError: `choices` empty or not all non-empty strings.
     """
-    if not isinstance(choices, (list, tuple)) or not choices or not all(isinstance(c, str) for c in choices):
-        raise InvalidRequestError("choices must be a non-empty list of strings", "choices")
-    return "(" + "|".join(re.escape(c) for c in choices) + ")"
+    return SglSelect(name, check_choices(choices), temperature, choices_method)
 
 
 def schema_of(json_schema: Any) -> Any:
@@ -138,52 +225,34 @@ def assistant(expr: Any = None) -> SglExpr:
     return role_block("assistant", expr)
 
 
-# `gen`'s SGLang names for program-wide sampling defaults in `run(...)`.
-_RUN_SAMPLING_ALIASES = {"max_new_tokens": "max_new_tokens", "max_tokens": "max_new_tokens"}
-
-
-class SglFunction:
-    """A prompt program: a Python function whose first argument is the `ProgramState`."""
-
-    def __init__(self, func, bind_arguments: dict[str, Any] | None = None):
-        self.func = func
-        self.bind_arguments = dict(bind_arguments or {})
-        params = list(inspect.signature(func).parameters)
-        if not params:
-            raise TypeError(f"@function {func.__name__} must take the program state as its first argument")
-        self.arg_names = params[1:]
-        functools.update_wrapper(self, func)
-
-    def bind(self, **kwargs: Any) -> SglFunction:
-        """A copy with some arguments fixed."""
-        return SglFunction(self.func, {**self.bind_arguments, **kwargs})
-
-    def run(self, *args: Any, backend: Any = None, **kwargs: Any) -> ProgramState:
-        """Run the program once and return its state.
-
-        Keyword arguments that are not the program's parameters are sampling
-        defaults for every `gen` (`temperature=0`, `max_new_tokens=64`).
-
-        Raises
-        ------
-        ValueError: no backend given and none set as default.
-        """
-        backend = as_backend(backend) if backend is not None else get_default_backend()
-        if backend is None:
-            raise ValueError("no backend: pass backend=... or call set_default_backend(...)")
-        program_kwargs = {k: v for k, v in kwargs.items() if k in self.arg_names}
-        sampling = {_RUN_SAMPLING_ALIASES.get(k, k): v for k, v in kwargs.items() if k not in self.arg_names}
-        state = ProgramState(backend, sampling)
-        self.func(state, *args, **{**self.bind_arguments, **program_kwargs})
-        return state
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Inside another program: `f(s, ...)` runs `f` on the same state (nested call)."""
-        return self.func(*args, **{**self.bind_arguments, **kwargs})
-
-
 def function(func=None, **_options: Any):
     """Decorator that turns `def prog(s, ...)` into a runnable `SglFunction`."""
+    from arborlm.frontend_lang.function import SglFunction
+
     if func is None:
         return lambda f: SglFunction(f)
     return SglFunction(func)
+
+
+def system_begin() -> SglExpr:
+    return SglRoleBegin("system")
+
+
+def system_end() -> SglExpr:
+    return SglRoleEnd("system")
+
+
+def user_begin() -> SglExpr:
+    return SglRoleBegin("user")
+
+
+def user_end() -> SglExpr:
+    return SglRoleEnd("user")
+
+
+def assistant_begin() -> SglExpr:
+    return SglRoleBegin("assistant")
+
+
+def assistant_end() -> SglExpr:
+    return SglRoleEnd("assistant")

@@ -1,8 +1,11 @@
 """The DSL's expressions: what `s += ...` accepts.
 
-A program appends expressions to its `ProgramState`: plain text, `gen` calls,
-role blocks and concatenations of these (`"Q: " + gen("a")`). The interpreter
-(`interpreter.py`) gives them meaning; here they are only data.
+A program appends expressions to its `ProgramState`: plain text, `gen` and
+`select` calls, role blocks, variable scopes and concatenations of these
+(`"Q: " + gen("a")`). The interpreter (`interpreter.py`) gives them meaning and
+the tracer (`tracer.py`) records them without a model; here they are only data.
+
+Names follow SGLang's ``sglang/lang/ir.py``.
 """
 
 from __future__ import annotations
@@ -42,10 +45,25 @@ class SglGen(SglExpr):
 
     sampling: the `SamplingParams` fields given to `gen` (None fields omitted),
     e.g. {"max_new_tokens": 64, "stop": ["\\n"], "temperature": 0}.
+    logprobs: `return_logprob`, `logprob_start_len`, `top_logprobs_num` when given.
     """
 
     name: str | None
     sampling: dict[str, Any] = field(default_factory=dict)
+    logprobs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SglSelect(SglExpr):
+    """Pick one of `choices` by scoring each continuation's log probability.
+
+    choices_method: a `ChoicesSamplingMethod` (`choices.py`).
+    """
+
+    name: str | None
+    choices: list[str]
+    temperature: float
+    choices_method: Any
 
 
 @dataclass
@@ -56,6 +74,16 @@ class SglRoleBegin(SglExpr):
 @dataclass
 class SglRoleEnd(SglExpr):
     role: str
+
+
+@dataclass
+class SglVarScopeBegin(SglExpr):
+    name: str
+
+
+@dataclass
+class SglVarScopeEnd(SglExpr):
+    name: str
 
 
 def to_expr(value: Any) -> SglExpr:
@@ -76,3 +104,10 @@ def role_block(role: str, expr: Any = None) -> SglExpr:
     """`system(...)`, `user(...)`, `assistant(...)`: the content wrapped in the role's markers."""
     inner = [] if expr is None else [to_expr(expr)]
     return SglExprList([SglRoleBegin(role), *inner, SglRoleEnd(role)])
+
+
+def flatten(expr: SglExpr) -> list[SglExpr]:
+    """The leaves of an expression, in order (lists unpacked)."""
+    if isinstance(expr, SglExprList):
+        return [leaf for e in expr.exprs for leaf in flatten(e)]
+    return [expr]

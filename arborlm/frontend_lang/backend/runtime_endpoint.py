@@ -28,7 +28,7 @@ from arborlm.errors import (
     RequestAbortedError,
     ServerOverloadedError,
 )
-from arborlm.frontend_lang.backend.base_backend import BaseBackend
+from arborlm.frontend_lang.backend.base_backend import BaseBackend, StreamChunk
 from arborlm.frontend_lang.chat_template import ChatTemplate
 
 CONNECT_TIMEOUT_S = 10.0
@@ -66,16 +66,39 @@ class RuntimeEndpoint(BaseBackend):
     def get_chat_template(self) -> ChatTemplate:
         return self._chat_template
 
-    def generate(self, text: str, sampling_params: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    def generate(self, text: str, sampling_params: dict[str, Any], **options: Any) -> tuple[str, dict[str, Any]]:
         """Continue `text` with one `/generate` call; (generated text, SGLang's meta info).
+
+        `options` are further `/generate` fields (`return_logprob`, `logprob_start_len`, ...).
 
         Raises
         ------
         InvalidRequestError: the server answered 400 (its message and `param`).
         ServerOverloadedError, RequestAbortedError, EngineDeadError, ArborError: as the server says.
         """
-        result = self._request("POST", "/generate", {"text": text, "sampling_params": dict(sampling_params)})
+        body = {"text": text, "sampling_params": dict(sampling_params), **options}
+        result = self._request("POST", "/generate", body)
         return result["text"], result["meta_info"]
+
+    def stream(self, text: str, sampling_params: dict[str, Any], **options: Any) -> Iterator[StreamChunk]:
+        """Continue `text`, yielding each event's new text with the meta info so far."""
+        body = {"text": text, "sampling_params": dict(sampling_params), "stream": True, **options}
+        sent = 0
+        for event in self._events("/generate", body):
+            new = event["text"][sent:]
+            sent = len(event["text"])
+            yield StreamChunk(new, event.get("meta_info"))
+
+    def prefill(self, text: str) -> dict[str, Any]:
+        """Cache `text`'s KV on the server (`max_new_tokens=0`); its meta info."""
+        return self._request("POST", "/generate", {"text": text, "sampling_params": {"max_new_tokens": 0}})["meta_info"]
+
+    def score(self, prompts: list[str] | list[list[int]], logprob_start_len: int) -> list[dict[str, Any]]:
+        """Prompt logprobs of a batch of texts or token-id lists, in one `/generate` call."""
+        key = "input_ids" if prompts and isinstance(prompts[0], list) else "text"
+        body = {key: list(prompts), "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+                "logprob_start_len": logprob_start_len}
+        return [r["meta_info"] for r in self._request("POST", "/generate", body)]
 
     def generate_stream(self, text: str, sampling_params: dict[str, Any]) -> Iterator[str]:
         """Continue `text`, yielding the new text as it is generated.
@@ -87,13 +110,9 @@ class RuntimeEndpoint(BaseBackend):
         ------
         The errors of `generate`, also when the server reports one mid-stream.
         """
-        body = {"text": text, "sampling_params": dict(sampling_params), "stream": True}
-        sent = 0
-        for event in self._events("/generate", body):
-            new = event["text"][sent:]
-            sent = len(event["text"])
-            if new:
-                yield new
+        for chunk in self.stream(text, sampling_params):
+            if chunk.text:
+                yield chunk.text
 
     def get_server_info(self) -> dict[str, Any]:
         """The server's `/get_server_info` (KV slots, running and queued requests, cache hit rate...)."""

@@ -1,0 +1,215 @@
+"""`SglFunction`: a prompt program and the ways to run it.
+
+`run` runs one program on a state of its own; `run_batch` runs many on a
+thread pool, after prefilling the prefix every item shares (found by tracing,
+`tracer.py`); `trace` and `compile` expose that analysis.
+
+After SGLang's ``sglang/lang/ir.py`` (``SglFunction``) and ``interpreter.py``
+(``run_program``, ``run_program_batch``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from typing import Any
+
+from arborlm.frontend_lang.api import resolve_backend
+from arborlm.frontend_lang.backend.base_backend import BaseBackend
+from arborlm.frontend_lang.chat_template import ChatTemplate
+from arborlm.frontend_lang.interpreter import StreamExecutor
+from arborlm.frontend_lang.program_state import ProgramState
+from arborlm.frontend_lang.tracer import TracedProgram, trace_program
+
+# SGLang's `run` keyword names for program-wide sampling defaults → `SamplingParams` fields.
+_RUN_SAMPLING_ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
+
+
+class SglFunction:
+    """A prompt program: a Python function whose first argument is the `ProgramState`."""
+
+    def __init__(self, func, bind_arguments: dict[str, Any] | None = None):
+        self.func = func
+        self.bind_arguments = dict(bind_arguments or {})
+        params = list(inspect.signature(func).parameters)
+        if not params:
+            raise TypeError(f"@function {func.__name__} must take the program state as its first argument")
+        self.arg_names = params[1:]
+        functools.update_wrapper(self, func)
+
+    def bind(self, **kwargs: Any) -> SglFunction:
+        """A copy with some arguments fixed.
+
+        Raises
+        ------
+        TypeError: a name that is not one of the program's parameters.
+        """
+        unknown = sorted(set(kwargs) - set(self.arg_names))
+        if unknown:
+            raise TypeError(f"{self.func.__name__}() has no parameter(s) {unknown}")
+        return SglFunction(self.func, {**self.bind_arguments, **kwargs})
+
+    # ---- running --------------------------------------------------------------------
+
+    def run(self, *args: Any, backend: Any = None, stream: bool = False, **kwargs: Any) -> ProgramState:
+        """Run the program once and return its state.
+
+        Keyword arguments that are not the program's parameters are sampling
+        defaults for every `gen` (`temperature=0`, `max_new_tokens=64`). With
+        `stream=True` the state returns at once and `state.text_iter()` follows
+        the generation.
+
+        Raises
+        ------
+        ValueError: no backend given and none set as default.
+        Whatever the program raises; an error inside a `gen` carries a note
+        naming the program line that appended it.
+        """
+        program_kwargs, sampling = self._split_kwargs(kwargs)
+        state = self._start(resolve_backend(backend), sampling, stream)
+        try:
+            self.func(state, *args, **{**self.bind_arguments, **program_kwargs})
+        finally:
+            state.stream_executor.end()
+        if not stream:
+            state.sync()
+            state.stream_executor.raise_error()
+        return state
+
+    def run_batch(
+        self,
+        batch_kwargs: list[dict[str, Any]],
+        *,
+        backend: Any = None,
+        num_threads: int | str = "auto",
+        progress_bar: bool = False,
+        **sampling_kwargs: Any,
+    ) -> list[ProgramState]:
+        """Run the program once per item of `batch_kwargs`; the states in input order.
+
+        Before the items start, the prefix they all share (from `trace`) is
+        prefilled once, so every item starts from a cache hit. An item that
+        fails does not stop the others: its state's `error()` holds the error.
+
+        Parameters
+        ----------
+        batch_kwargs: one dict of program arguments per run.
+        num_threads: programs run at once; "auto" is max(96, 16 per CPU) capped at the batch size.
+        progress_bar: show a tqdm bar of finished items.
+        sampling_kwargs: sampling defaults for every `gen`, as in `run`.
+
+        Raises
+        ------
+        ValueError: no backend; TypeError: an item is not a dict.
+        """
+        backend = resolve_backend(backend)
+        if not all(isinstance(item, dict) for item in batch_kwargs):
+            raise TypeError("run_batch takes a list of dicts of program arguments")
+        if not batch_kwargs:
+            return []
+        _, sampling = self._split_kwargs(sampling_kwargs)
+        if len(batch_kwargs) > 1:
+            self.prefill_prefix(backend, batch_kwargs)
+        if num_threads == "auto":
+            num_threads = max(96, (os.cpu_count() or 1) * 16)
+        num_threads = max(1, min(int(num_threads), len(batch_kwargs)))
+        with ThreadPoolExecutor(num_threads, thread_name_prefix="arborlm-batch") as pool:
+            futures = [pool.submit(self._run_item, backend, sampling, item) for item in batch_kwargs]
+            if progress_bar:
+                from tqdm import tqdm
+
+                for _ in tqdm(as_completed(futures), total=len(futures), desc=self.func.__name__):
+                    pass
+            return [f.result() for f in futures]
+
+    def _run_item(self, backend: BaseBackend, sampling: dict[str, Any], item: dict[str, Any]) -> ProgramState:
+        """One batch item; its error is kept in its state, not raised."""
+        program_kwargs, item_sampling = self._split_kwargs(item)
+        state = self._start(backend, {**sampling, **item_sampling}, False)
+        try:
+            self.func(state, **{**self.bind_arguments, **program_kwargs})
+        except Exception as e:  # noqa: BLE001 - one failing item must not stop the batch
+            state.sync()
+            state.stream_executor.error_ = state.stream_executor.error_ or e
+        finally:
+            state.stream_executor.end()
+        state.sync()
+        return state
+
+    def _start(self, backend: BaseBackend, sampling: dict[str, Any], stream: bool) -> ProgramState:
+        return ProgramState(StreamExecutor(backend, sampling, stream))
+
+    def _split_kwargs(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(program arguments, sampling defaults under `SamplingParams` names)."""
+        program = {k: v for k, v in kwargs.items() if k in self.arg_names}
+        sampling = {_RUN_SAMPLING_ALIASES.get(k, k): v for k, v in kwargs.items() if k not in self.arg_names}
+        return program, sampling
+
+    # ---- tracing --------------------------------------------------------------------
+
+    def trace(self, *, backend: Any = None, chat_template: ChatTemplate | None = None,
+              **kwargs: Any) -> TracedProgram:
+        """Record the program's nodes and constant prefix without running a model.
+
+        Arguments given in `kwargs` (and bound ones) are used as values, the
+        others become placeholders. Role markers come from `chat_template`, else
+        from `backend` (or the default backend), else plain "Role: " markers.
+        """
+        if chat_template is None:
+            try:
+                chat_template = resolve_backend(backend).get_chat_template()
+            except ValueError:
+                chat_template = ChatTemplate.plain()
+        return trace_program(self.func, {**self.bind_arguments, **kwargs}, self.arg_names, chat_template)
+
+    def compile(self, *, backend: Any = None) -> CompiledFunction:
+        """The program traced once for `backend`: `run` and `run_batch` reuse the trace's prefix."""
+        backend = resolve_backend(backend)
+        return CompiledFunction(self, backend, self.trace(backend=backend))
+
+    def prefill_prefix(self, backend: BaseBackend, batch_kwargs: list[dict[str, Any]] | None = None,
+                       traced: TracedProgram | None = None) -> dict[str, Any] | None:
+        """Prefill the text every run starts with (a prefix hint); its meta info, or None without one.
+
+        The prefix is the traced constant prefix, extended to what all of
+        `batch_kwargs` have in common when their arguments are given.
+        """
+        traced = traced or self.trace(backend=backend)
+        prefix = traced.prefix
+        if batch_kwargs:
+            common = {k: v for k, v in batch_kwargs[0].items()
+                      if k in self.arg_names and all(k in b and b[k] == v for b in batch_kwargs[1:])}
+            if common:
+                prefix = max(prefix, self.trace(backend=backend, **common).prefix, key=len)
+        return backend.prefill(prefix) if prefix else None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Inside another program: `f(s, ...)` runs `f` on the same state (nested call)."""
+        return self.func(*args, **{**self.bind_arguments, **kwargs})
+
+
+class CompiledFunction:
+    """A program traced for one backend: its nodes and prefix, and run / run_batch that use them."""
+
+    def __init__(self, function: SglFunction, backend: BaseBackend, traced: TracedProgram):
+        self.function = function
+        self.backend = backend
+        self.traced = traced
+
+    @property
+    def prefix(self) -> str:
+        return self.traced.prefix
+
+    @property
+    def nodes(self):
+        return self.traced.nodes
+
+    def run(self, *args: Any, **kwargs: Any) -> ProgramState:
+        kwargs.setdefault("backend", self.backend)
+        return self.function.run(*args, **kwargs)
+
+    def run_batch(self, batch_kwargs: list[dict[str, Any]], **kwargs: Any) -> list[ProgramState]:
+        kwargs.setdefault("backend", self.backend)
+        return self.function.run_batch(batch_kwargs, **kwargs)
