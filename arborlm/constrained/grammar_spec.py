@@ -4,12 +4,19 @@ Runs in the front (tokenizer manager) before a request is queued, so every
 problem that can be found without the tokenizer (bad JSON, an invalid or
 unenforceable schema, a regex or EBNF syntax error, a kind the backend lacks)
 is a 400-style `GrammarError` at once and never reaches the scheduler.
+
+What a grammar decides: its end. A grammar allows EOS only once its output is
+complete and nothing else then, so ``min_new_tokens`` (EOS is not held back
+under a grammar) and ``ignore_eos`` (the EOS the grammar forces still ends the
+request) never extend a constrained output, as in SGLang; ``max_new_tokens``
+and the user's stop strings and stop token ids can still cut it short, which
+leaves a prefix that is not validated (see `GrammarSpec.validate_output`).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from arborlm.constrained.base import ANY_JSON, GrammarError, GrammarKey
 from arborlm.constrained.grammar_manager import backend_class
@@ -28,7 +35,10 @@ class GrammarSpec:
     key: what the scheduler compiles (cached by backend, kind and text).
     schema: for ``json_schema`` requests, the user's schema, against which the
         finished output is validated (None for other kinds).
-    dropped: schema keywords ignored in lenient mode ("keyword at /path").
+    dropped: what the grammar does not enforce because of lenient mode, as
+        "keyword at /json/pointer": keywords no backend enforces (`prepare_json_schema`),
+        then, on the outlines backend, those outlines-core would enforce only in
+        part and what it writes at a fixed depth (`OutlinesBackend.relax_json_schema`).
     """
 
     key: GrammarKey
@@ -36,7 +46,11 @@ class GrammarSpec:
     dropped: tuple[str, ...] = ()
 
     def validate_output(self, text: str) -> str | None:
-        """None when ``text`` satisfies the user's schema (or there is none), else why not."""
+        """None when ``text`` satisfies the user's schema (or there is none), else why not.
+
+        ``text`` is an output the grammar ended, without the EOS's text; the
+        front does not validate outputs cut by ``max_new_tokens`` or a user stop.
+        """
         if self.key.kind == "json_object":
             try:
                 json.loads(text)
@@ -57,12 +71,19 @@ def grammar_spec_from_params(params: SamplingParams, backend: str) -> GrammarSpe
     ------
     GrammarError
         The constraint does not parse, uses a schema keyword that cannot be
-        enforced (unless ``json_schema_lenient``), or ``backend`` cannot
-        compile its kind.
+        enforced (unless ``json_schema_lenient``, which drops it), or
+        ``backend`` cannot compile its kind or this schema even when lenient.
     """
     spec = _spec(params)
-    if spec is not None:
-        backend_class(backend).check(spec.key)
+    if spec is None:
+        return None
+    cls = backend_class(backend)
+    # A backend with refusals of its own may relax them in lenient mode (outlines: bounds, recursion).
+    relax = getattr(cls, "relax_json_schema", None)
+    if params.json_schema_lenient and relax is not None and spec.key.kind == "json_schema":
+        key, relaxed = relax(spec.key)
+        spec = replace(spec, key=key, dropped=spec.dropped + relaxed)
+    cls.check(spec.key)
     return spec
 
 

@@ -324,3 +324,61 @@ def test_shorthand_classes_are_ascii(tokenizer, compile_key):
         matcher = compile_key(key).new_matcher()
         ids = encode(tokenizer, text)
         assert not all(matcher.accept_token(i) for i in ids)
+
+
+# (schema, what lenient mode lists in dropped, an output the relaxed grammar writes)
+LENIENT = [
+    ({"type": "integer", "minimum": 3, "maximum": 9}, ["minimum at /", "maximum at /"], "7"),
+    ({"type": "object", "properties": {"n": {"type": "number", "exclusiveMinimum": 0}}, "required": ["n"]},
+     ["exclusiveMinimum at /properties/n"], '{"n": 2.5}'),
+    ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, ["uniqueItems at /"], '["a", "b"]'),
+    ({"$defs": {"node": NODE}, "$ref": "#/$defs/node"},
+     ["$ref at /$defs/node/properties/next/$ref (recursion unrolled to a fixed depth)"], '{"value": 1, "next": {"value": 2}}'),
+    ({"type": "object", "properties": {"meta": {"type": "object"}}, "required": ["meta"]},
+     ["type at /properties/meta (an object without properties, nested to a fixed depth)"], '{"meta": {"k": [1, "v"]}}'),
+]
+
+
+@pytest.mark.parametrize(("value", "dropped", "text"), LENIENT, ids=[str(i) for i in range(len(LENIENT))])
+def test_lenient_mode_relaxes_what_outlines_enforces_only_in_part(tokenizer, eos, compile_key, value, dropped, text):
+    from arborlm.constrained.grammar_spec import grammar_spec_from_params
+    from arborlm.runtime.sampling import SamplingParams
+
+    with pytest.raises(GrammarError, match="Set json_schema_lenient"):
+        grammar_spec_from_params(SamplingParams(json_schema=value), "outlines")
+    spec = grammar_spec_from_params(SamplingParams(json_schema=value, json_schema_lenient=True), "outlines")
+    assert set(dropped) <= set(spec.dropped), spec.dropped
+    matcher = compile_key(spec.key).new_matcher()
+    drive(matcher, encode(tokenizer, text))
+    assert matcher.accept_token(eos)
+    assert spec.validate_output(text) is None  # the user's whole schema still judges the output
+    on_xgrammar = grammar_spec_from_params(SamplingParams(json_schema=value, json_schema_lenient=True), "xgrammar")
+    assert set(on_xgrammar.dropped) <= set(spec.dropped)  # outlines drops what no backend enforces, and more
+
+
+def test_lenient_mode_output_is_still_validated_against_the_dropped_bound(tokenizer, eos, compile_key):
+    from arborlm.constrained.grammar_spec import grammar_spec_from_params
+    from arborlm.runtime.sampling import SamplingParams
+
+    spec = grammar_spec_from_params(SamplingParams(json_schema={"type": "integer", "minimum": 3},
+                                                   json_schema_lenient=True), "outlines")
+    matcher = compile_key(spec.key).new_matcher()
+    drive(matcher, encode(tokenizer, "1"))  # the grammar no longer holds the bound...
+    assert "minimum" in spec.validate_output("1")  # ...the final validation does
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"type": "object", "properties": {"x": {}}}, "any JSON value"),
+        ({"description": "anything"}, "any JSON value"),
+    ],
+)
+def test_lenient_mode_still_refuses_what_outlines_cannot_run(value, message):
+    from arborlm.constrained.grammar_spec import grammar_spec_from_params
+    from arborlm.runtime.sampling import SamplingParams
+
+    with pytest.raises(GrammarError) as info:
+        grammar_spec_from_params(SamplingParams(json_schema=value, json_schema_lenient=True), "outlines")
+    assert message in info.value.message and "use the xgrammar backend" in info.value.message
+    assert "json_schema_lenient" not in info.value.message
