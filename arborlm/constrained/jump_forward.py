@@ -13,6 +13,11 @@ token: the jump happens only when that token survives unchanged (otherwise the
 boundary merges, and the model decodes one more token first); and the last
 forced token is left for the model to decode, because it may merge with what
 comes after it. Already-streamed tokens are never rolled back.
+
+Bounds: one call asks the matcher once, returns at most ``max_tokens`` tokens
+(the request's budget) and tokenizes at most `MAX_CHARS_PER_TOKEN` characters
+per token it may return. Grammars whose forced text could be endless are
+refused when compiled (`grammar_analysis`), so the matcher's search ends.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from arborlm.constrained.base import GrammarMatcher
 
 # Output tokens re-tokenized with the forced text to check the boundary.
 BOUNDARY_TOKENS = 2
+# Forced text tokenized per token the budget allows; longer tokens are rare, and
+# a text cut short only jumps fewer tokens (its last token is left to decode).
+MAX_CHARS_PER_TOKEN = 16
 
 
 def jump_forward_tokens(matcher: GrammarMatcher, tokenizer, output_ids: list[int], max_tokens: int) -> list[int]:
@@ -35,7 +43,7 @@ def jump_forward_tokens(matcher: GrammarMatcher, tokenizer, output_ids: list[int
     """
     if max_tokens <= 0 or not output_ids:
         return []
-    forced = matcher.find_jump_forward_string()
+    forced = matcher.find_jump_forward_string()[: (max_tokens + 1) * MAX_CHARS_PER_TOKEN]
     if not forced:
         return []
     tail = output_ids[-BOUNDARY_TOKENS:]

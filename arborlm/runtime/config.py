@@ -165,10 +165,10 @@ class GrammarConfig:
     grammar_compile_timeout: float = field(
         default=60.0, metadata={"help": "seconds a request may wait for its grammar to compile"}
     )
-    # Off by default until the forced-text search is bounded: xgrammar's search never ends on
-    # grammars that force endless text (e.g. `root ::= "a" root`) and exhausts memory.
+    # Safe on by default: grammars that could force endless text (`root ::= "a" root`), on
+    # which xgrammar's forced-text search never ends, are refused when compiled.
     disable_jump_forward: bool = field(
-        default=True, metadata={"help": "do not append the tokens a grammar forces without decoding"}
+        default=False, metadata={"help": "do not append the tokens a grammar forces without decoding"}
     )
 
     def __post_init__(self):

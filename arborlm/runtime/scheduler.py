@@ -35,7 +35,7 @@ from arborlm.runtime.io_struct import (
     TokenizedGenerateReqInput,
 )
 from arborlm.runtime.model_runner import ModelRunner
-from arborlm.runtime.retract import retract_decode
+from arborlm.runtime.retract import retract_decode, step_tokens
 from arborlm.runtime.schedule_batch import Req, ScheduleBatch
 from arborlm.runtime.schedule_policy import PrefillAdder, SchedulePolicy
 from arborlm.runtime.scheduler_output import SchedulerOutputProcessor
@@ -225,9 +225,10 @@ class Scheduler:
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
         """Jump-forward extends first, then prefill; otherwise every running request decodes one token."""
         if self.jump_forward_reqs:
+            self.prepare_decode_memory()  # may retract jumping requests too
+        if self.jump_forward_reqs:
             # One extend step runs the forced tokens and, as one-token extends, every running
             # request's decode token: jumping never costs the others a forward pass.
-            self.prepare_decode_memory(sum(r.seqlen - r.kv_len for r in self.jump_forward_reqs))
             reqs, self.jump_forward_reqs = self.running + self.jump_forward_reqs, []
             for req in reqs:
                 req.extend_input_len = req.seqlen - req.kv_len
@@ -307,10 +308,14 @@ class Scheduler:
             self.tree_cache.evict(short)
         return self.allocator.alloc(num_tokens)
 
-    def prepare_decode_memory(self, extra_tokens: int = 0) -> None:
-        """Make room for one token per running request (plus `extra_tokens`), retracting the youngest if needed."""
+    def prepare_decode_memory(self) -> None:
+        """Make room for the next step, retracting the youngest requests if needed.
+
+        The step takes one slot per running request plus, per jumping request, its
+        forced tokens and its next token (`retract.step_tokens`).
+        """
         sched = self.server_args.scheduler
-        need = len(self.running) + extra_tokens
+        need = step_tokens(self.running + self.jump_forward_reqs)
         if self.allocator.available_size() + self.tree_cache.evictable_size() >= need:
             self.new_token_ratio = max(sched.min_new_token_ratio, self.new_token_ratio - sched.new_token_ratio_decay)
             return
@@ -417,7 +422,7 @@ class Scheduler:
             return []
         budget = min(req.remaining_new_tokens, self.model_runner.context_length - req.seqlen)
         # Leave room for the other jumps' extends and everyone's next token; never retract to jump.
-        reserved = sum(r.seqlen - r.kv_len for r in self.jump_forward_reqs) + len(self.running) + 2
+        reserved = step_tokens(self.jump_forward_reqs) + len(self.running) + 2
         budget = min(budget, self.allocator.available_size() + self.tree_cache.evictable_size() - reserved)
         forced = jump_forward_tokens(req.grammar, self.tokenizer, req.output_ids, budget)
         if forced:
