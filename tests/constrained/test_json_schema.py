@@ -453,3 +453,26 @@ def test_xgrammar_behaviour_relied_on(schema, text, accepted):
 def test_xgrammar_cannot_compile(schema):
     with pytest.raises(RuntimeError):
         xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+
+
+# The README's examples of keywords no backend enforces (refused unless lenient), and of
+# patternProperties, which it once listed among them although one pattern is enforced.
+README_REFUSED = [
+    ({"type": "array", "items": INT, "uniqueItems": True}, "uniqueItems"),
+    ({"type": "number", "multipleOf": 0.01}, "multipleOf"),
+    ({"type": "object", "not": {"properties": {"a": INT}}}, "not"),
+    ({"type": "object", "patternProperties": {"^x_": INT, "^y_": STR}}, "patternProperties"),
+]
+
+
+@pytest.mark.parametrize(("schema", "keyword"), README_REFUSED, ids=[k for _, k in README_REFUSED])
+def test_readme_examples_of_refused_keywords_are_refused(schema, keyword):
+    with pytest.raises(GrammarError, match=f"{keyword} at /"):
+        prepare_json_schema(schema)
+    assert f"{keyword} at /" in prepare_json_schema(schema, lenient=True).dropped
+
+
+def test_a_single_pattern_property_is_enforced_not_refused():
+    prepared = prepare_json_schema({"type": "object", "patternProperties": {"^x_": INT}, "additionalProperties": False})
+    assert prepared.dropped == ()
+    xgr.Grammar.from_json_schema(prepared.text, any_whitespace=False, strict_mode=True)
