@@ -11,6 +11,7 @@ import pytest
 
 from arborlm.constrained.base import GrammarError
 from arborlm.constrained.json_schema import prepare_json_schema
+from arborlm.runtime.server import native_api
 from arborlm.runtime.server.errors import APIError, _loc_to_param
 from arborlm.runtime.server.openai_common import (
     abort_message,
@@ -23,7 +24,6 @@ from arborlm.runtime.server.openai_common import (
     sampling_params,
 )
 from arborlm.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
-from arborlm.runtime.server import native_api
 from arborlm.runtime.server.tool_calls import plan_tools
 from arborlm.runtime.tokenizer_manager import GenerateReqInput
 

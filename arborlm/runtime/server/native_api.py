@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from arborlm import __version__
-from arborlm.frontend_lang.chat_template import ChatTemplate
 from arborlm.errors import EngineDeadError, InvalidRequestError
+from arborlm.frontend_lang.chat_template import ChatTemplate
 from arborlm.runtime.io_struct import TokenizedGenerateReqInput
 from arborlm.runtime.request_batch import expand_requests, generate_batch, rejected_result
 from arborlm.runtime.server.errors import APIError, bad_request

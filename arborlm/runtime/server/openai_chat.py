@@ -6,7 +6,8 @@ sends content deltas as tokens arrive and closes with a chunk that carries
 chunk with empty `choices` carries the usage, then `data: [DONE]`. With tools
 offered (`tool_calls.py`), each choice's text goes through a `ToolCallParser`:
 content deltas, then per call a delta with its id and name and deltas of its
-argument text.
+argument text. A choice that ends with finish_reason `abort` carries
+`abort_message`, why (an output that failed its schema, a dropped tool call).
 """
 
 from __future__ import annotations
