@@ -393,14 +393,15 @@ def compute_logprobs(
         How many of the most likely tokens to return per row (0: none).
     """
     logits = logits.float()
-    # log p(t) = logit(t) - logsumexp(logits): avoids materialising the (N, V) log-softmax
-    # when only the chosen tokens are wanted.
-    chosen = logits.gather(1, token_ids.view(-1, 1).long()).squeeze(1)
-    logprobs = chosen - torch.logsumexp(logits, dim=-1)
+    token_ids = token_ids.view(-1, 1).long()
     if top_logprobs_num <= 0:
-        return TokenLogprobs(logprobs, None, None)
-    top_values, top_ids = torch.log_softmax(logits, dim=-1).topk(top_logprobs_num, dim=-1)
-    return TokenLogprobs(logprobs, top_values, top_ids)
+        # log p(t) = logit(t) - logsumexp(logits): no (N, V) log-softmax when only the
+        # chosen tokens are wanted.
+        return TokenLogprobs(logits.gather(1, token_ids).squeeze(1) - torch.logsumexp(logits, dim=-1), None, None)
+    # One log-softmax for both, so a chosen token's logprob equals its entry in the top list.
+    log_probs = torch.log_softmax(logits, dim=-1)
+    top_values, top_ids = log_probs.topk(top_logprobs_num, dim=-1)
+    return TokenLogprobs(log_probs.gather(1, token_ids).squeeze(1), top_values, top_ids)
 
 
 def _pad(lists: list[list[int]], pad_id: int, device: torch.device) -> torch.Tensor:

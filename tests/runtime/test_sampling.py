@@ -404,3 +404,14 @@ def test_n_is_bounded():
     with pytest.raises(InvalidRequestError) as err:
         SamplingParams(n=1_000_000).verify(49152)
     assert err.value.param == "n"
+
+
+def test_chosen_logprob_equals_its_top_logprobs_entry():
+    """The chosen token's logprob and its entry in the top list come from one computation."""
+    logits = torch.randn(5, 1000, generator=torch.Generator().manual_seed(3)) * 7
+    chosen = logits.argmax(-1)
+    out = compute_logprobs(logits, chosen, top_logprobs_num=3)
+    assert torch.equal(out.top_ids[:, 0], chosen)
+    assert torch.equal(out.logprobs, out.top_values[:, 0])
+    alone = compute_logprobs(logits, chosen)
+    torch.testing.assert_close(alone.logprobs, out.logprobs)
