@@ -45,7 +45,8 @@ def select_choice(backend: BaseBackend, text: str, choices: list[str],
     Returns
     -------
     The decision; its meta info holds the method's scores plus "prompt_tokens"
-    and "cached_tokens" summed over the scoring requests.
+    and "cached_tokens" summed over the scoring requests, and "completion_tokens",
+    the chosen continuation's token count.
 
     Raises
     ------
@@ -89,6 +90,7 @@ def select_choice(backend: BaseBackend, text: str, choices: list[str],
     )
     decision.meta_info["prompt_tokens"] = sum(m["prompt_tokens"] for m in metas)
     decision.meta_info["cached_tokens"] = sum(m["cached_tokens"] for m in metas)
+    decision.meta_info["completion_tokens"] = len(input_lps[choices.index(decision.decision)])
     return decision
 
 
