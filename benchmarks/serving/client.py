@@ -196,8 +196,8 @@ async def send_call(client: httpx.AsyncClient, base_url: str, api: str, workload
     result.completion_tokens = (parser.completion_tokens if parser.completion_tokens is not None
                                 else count_tokens(parser.text))
     result.cached_tokens = parser.cached_tokens
-    if call.json_schema is not None:
-        result.json_valid = _is_json_object(parser.text)
+    if call.json_schema is not None and parser.finish_reason != "length":
+        result.json_valid = _is_json_object(parser.text)  # an answer cut by max_tokens is not judged
     return result
 
 

@@ -33,7 +33,8 @@ class RequestResult:
     itl_s: gaps between text chunks, seconds.
     cached_tokens: None when the server did not say.
     usage_reported: token counts came from the server (else from the local tokenizer).
-    json_valid: for json requests, whether the answer parsed as JSON.
+    json_valid: for json requests, whether the answer parsed as a JSON object (None when it
+        was cut by max_tokens).
     """
 
     workload: str
