@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -105,6 +106,12 @@ class GrammarBackend(abc.ABC):
     name: str = ""
     kinds: tuple[str, ...] = ()
 
+    def __new__(cls, *args, **kwargs):
+        # The arguments are kept so that a compile worker process can build the same backend.
+        backend = super().__new__(cls)
+        backend._constructor_args = (args, kwargs)
+        return backend
+
     @classmethod
     def check(cls, key: GrammarKey) -> None:
         """Parse ``key`` without the tokenizer (cheap; the front calls it before queueing).
@@ -136,6 +143,42 @@ class GrammarBackend(abc.ABC):
         GrammarError
             Unsupported kind or a grammar the backend rejects.
         """
+
+    # Compiling in a worker process (optional). The `GrammarManager` compiles in
+    # worker processes that it can kill when a compile outlives its timeout, for
+    # backends that implement both `compile_serialized` and `load_compiled`;
+    # others compile on threads of the serving process, which cannot be stopped.
+
+    def worker_args(self) -> tuple[tuple, dict] | None:
+        """(args, kwargs) that build this backend again in a compile worker process.
+
+        None when the backend does not implement `compile_serialized` and
+        `load_compiled`. The arguments are those this backend was built with;
+        the worker pickles them (a Hugging Face tokenizer pickles).
+        """
+        if type(self).compile_serialized is GrammarBackend.compile_serialized:
+            return None
+        return self._constructor_args
+
+    def compile_serialized(self, key: GrammarKey) -> Any:
+        """Compile ``key`` (in a compile worker process) into a picklable payload for `load_compiled`.
+
+        Returns
+        -------
+        The payload, or None when the grammar compiled but would cost more to
+        ship than to compile again: the serving process then calls `compile`
+        itself (the worker has shown that it finishes).
+
+        Raises
+        ------
+        GrammarError
+            As `compile`.
+        """
+        raise NotImplementedError
+
+    def load_compiled(self, key: GrammarKey, payload: Any) -> CompiledGrammar:
+        """The `CompiledGrammar` of ``key`` from a `compile_serialized` payload (in the serving process)."""
+        raise NotImplementedError
 
 
 def allocate_vocab_mask(batch_size: int, vocab_size: int) -> torch.Tensor:

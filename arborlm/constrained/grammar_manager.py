@@ -1,8 +1,8 @@
-"""The compiled-grammar cache and the worker threads that fill it.
+"""The compiled-grammar cache and the compile slots that fill it.
 
 The scheduler asks `GrammarManager.request` for a request's `GrammarKey` when it
-arrives and gets a `PendingGrammar` at once; compiling runs on a thread pool so
-the event loop keeps decoding other requests. Each step the scheduler polls
+arrives and gets a `PendingGrammar` at once; compiling runs elsewhere so the
+event loop keeps decoding other requests. Each step the scheduler polls
 `PendingGrammar.result` for its waiting requests (None while compiling), admits
 those whose grammar is ready and aborts those whose grammar failed or took
 longer than ``grammar_compile_timeout``. With nothing else to do it blocks in
@@ -11,18 +11,54 @@ longer than ``grammar_compile_timeout``. With nothing else to do it blocks in
 Compiled grammars are cached by (backend name, kind, text), least recently used
 first out, so a schema used by many requests compiles once.
 
+Where compiling runs. xgrammar's and outlines-core's compilers are C++/Rust
+calls that cannot be interrupted, and some grammars compile for minutes (or
+never finish). A thread that runs one cannot be stopped: it keeps a worker and
+a CPU core busy and holds up process exit. So each of ``max_workers`` compile
+slots drives a `CompileWorker` process (`compile_worker.py`) for backends that
+can ship a compiled grammar between processes (`GrammarBackend.worker_args`);
+a compile that outlives the deadline of every request waiting for it is ended
+by killing that process, and a fresh one starts at once. Backends that cannot
+ship (test fakes) compile on threads: a compile past its deadline gives up its
+slot to a new thread, so it cannot starve the others, but it keeps its core
+busy until it returns (a daemon thread, so it does not hold up exit).
+
+Cost of the worker process (SmolLM2 tokenizer, 49152 tokens, 2 busy cores):
+start-up 3 to 9 s (importing xgrammar imports torch and transformers), paid by
+the first compile and hidden after a kill by restarting at once; per compile,
+the xgrammar JSON shipped back costs 2 to 40 ms more than compiling in-thread
+for ordinary schemas (5 to 15 ms to compile). xgrammar's JSON repeats its whole
+FSM per rule: a large JSONSchemaBench schema (WashingtonPost wp_17, 80 KB)
+compiles in 5.7 s, but its JSON is 884 MB (94 s to write, 56 s to read), so a
+grammar of more than `~xgrammar_backend.MAX_SHIPPED_BYTES` compiled bytes is
+compiled again in the serving process once the worker has shown that it
+finishes (twice the compile time, bounded). outlines-core's Index pickles in
+under 1 ms.
+
 After SGLang's ``sglang/srt/constrained/base_grammar_backend.py`` (cache of
-futures, one executor) and its scheduler's grammar queue (timeout per request).
+futures) and its scheduler's grammar queue (timeout per request).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import time
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 from arborlm.constrained.base import CompiledGrammar, GrammarBackend, GrammarError, GrammarKey
+from arborlm.constrained.compile_worker import (
+    CompilerClosed,
+    CompileTimeout,
+    CompileWorker,
+    WorkerCrashed,
+    WorkerSetupError,
+    setup_message,
+)
+
+logger = logging.getLogger(__name__)
 
 GRAMMAR_BACKEND_NAMES = ("xgrammar", "outlines")
 
@@ -59,6 +95,20 @@ def create_grammar_backend(name: str, tokenizer, vocab_size: int, eos_token_ids:
     return backend_class(name)(tokenizer, vocab_size, eos_token_ids)
 
 
+@dataclass(eq=False)
+class CompileJob:
+    """One grammar to compile, shared by every request that asked for it meanwhile.
+
+    deadline: the latest `time.monotonic` deadline of those requests; it only
+        grows (a cache hit on the job in flight extends it). Once it has passed
+        nobody waits for the result, and the slot gives the compile up.
+    """
+
+    key: GrammarKey
+    future: concurrent.futures.Future
+    deadline: float
+
+
 class PendingGrammar:
     """One request's wait for a compiled grammar.
 
@@ -85,8 +135,8 @@ class PendingGrammar:
         ------
         GrammarError
             The backend rejected the grammar or failed (any exception becomes a
-            GrammarError), compiling was cancelled by shutdown, or ``now`` is
-            past `deadline` and compiling has not finished.
+            GrammarError), its compile worker died, compiling was cancelled by
+            shutdown, or ``now`` is past `deadline` and compiling has not finished.
         """
         if self._future.done():
             if self._future.cancelled():
@@ -98,26 +148,25 @@ class PendingGrammar:
                 raise GrammarError(error.message, error.param) from error  # a fresh one per request
             raise _backend_failure(self.key, error) from error
         if (time.monotonic() if now is None else now) > self.deadline:
-            raise GrammarError(
-                f"the {self.key.kind} grammar did not compile within "
-                f"grammar_compile_timeout={self._timeout_s:g} s",
-                self.key.param,
-            )
+            raise _timeout_error(self.key, self._timeout_s)
         return None
 
 
 class GrammarManager:
-    """Compiles grammars on worker threads and caches them (LRU).
+    """Compiles grammars in killable worker processes (or threads) and caches them (LRU).
 
     Parameters
     ----------
     backend:
-        Compiles the grammars (its ``name`` is part of the cache key).
+        Compiles the grammars (its ``name`` is part of the cache key). When
+        ``backend.worker_args()`` is not None, compiles run in worker processes
+        built from those arguments; otherwise on threads (see the module docstring).
     compile_timeout:
         Seconds a request may wait for its grammar (``grammar_compile_timeout``).
+        A compile that no request waits for any more is ended (its worker
+        process killed and restarted).
     max_workers:
-        Compiler threads. A compile that never returns keeps its thread; the
-        others keep serving.
+        Compiles that run at once (worker processes, started on first use).
     max_cache_entries:
         Compiled grammars kept (in flight ones included); the least recently
         requested goes first.
@@ -131,17 +180,30 @@ class GrammarManager:
             raise ValueError(f"compile_timeout must be > 0, got {compile_timeout}")
         if max_cache_entries < 1:
             raise ValueError(f"max_cache_entries must be >= 1, got {max_cache_entries}")
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
         self.backend = backend
         self.compile_timeout = compile_timeout
         self.max_cache_entries = max_cache_entries
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="arborlm-grammar")
-        self._cache: OrderedDict[tuple[str, str, str], concurrent.futures.Future] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, str], CompileJob] = OrderedDict()
         self._lock = threading.Lock()
+        self._jobs_ready = threading.Condition(self._lock)
+        self._queue: deque[CompileJob] = deque()  # jobs no slot has taken yet
         self._num_compiled = 0
         self._num_cache_hits = 0
         self._num_failures = 0
+        self._num_timeouts = 0
         self._compile_times_s: deque[float] = deque(maxlen=max_recorded_times)
         self._closed = False
+        self._slots = _make_slots(backend, max_workers)
+        self._assigned: list[CompileJob | None] = [None] * max_workers  # each slot's current job
+        for i in range(max_workers):
+            threading.Thread(target=self._drive, args=(i,), name=f"arborlm-grammar-{i}", daemon=True).start()
+
+    @property
+    def uses_worker_processes(self) -> bool:
+        """True when compiles run in worker processes (False: on threads)."""
+        return any(isinstance(slot, CompileWorker) for slot in self._slots)
 
     def request(self, key: GrammarKey) -> PendingGrammar:
         """Start compiling ``key`` (or reuse the cached compile) and return the wait for it.
@@ -155,19 +217,27 @@ class GrammarManager:
             After `shutdown`.
         """
         cache_key = (self.backend.name, key.kind, key.text)
+        deadline = time.monotonic() + self.compile_timeout
         with self._lock:
             if self._closed:
                 raise RuntimeError("GrammarManager is shut down")
-            future = self._cache.get(cache_key)
-            if future is not None:
+            job = self._cache.get(cache_key)
+            if job is not None:
                 self._cache.move_to_end(cache_key)
                 self._num_cache_hits += 1
+                job.deadline = max(job.deadline, deadline)
             else:
-                future = self._executor.submit(self._compile, key)
-                self._cache[cache_key] = future
+                job = CompileJob(key, concurrent.futures.Future(), deadline)
+                self._cache[cache_key] = job
                 if len(self._cache) > self.max_cache_entries:
                     self._cache.popitem(last=False)
-        return PendingGrammar(key, future, time.monotonic() + self.compile_timeout, self.compile_timeout)
+                idle = next((i for i, assigned in enumerate(self._assigned) if assigned is None), None)
+                if idle is None:
+                    self._queue.append(job)
+                else:
+                    self._assigned[idle] = job  # taken at once, so shutdown sees it as running
+                self._jobs_ready.notify_all()
+        return PendingGrammar(key, job.future, deadline, self.compile_timeout)
 
     def wait_any(self, pendings: list[PendingGrammar], timeout: float) -> list[PendingGrammar]:
         """Block up to ``timeout`` seconds until one of ``pendings`` is done; return the done ones.
@@ -184,46 +254,208 @@ class GrammarManager:
         """Counters since start.
 
         num_compiled: successful compiles; num_cache_hits: requests served by
-        the cache (done or in flight); num_failures: compiles that raised;
+        the cache (done or in flight); num_failures: compiles that raised or
+        whose worker died; num_timeouts: compiles given up at their deadline;
         num_cached: entries in the cache; compile_times_s: the latest compile
-        durations in seconds (oldest first, bounded).
+        durations in seconds (oldest first, bounded); worker_pids: the live
+        compile worker processes.
         """
         with self._lock:
             return {
                 "num_compiled": self._num_compiled,
                 "num_cache_hits": self._num_cache_hits,
                 "num_failures": self._num_failures,
+                "num_timeouts": self._num_timeouts,
                 "num_cached": len(self._cache),
                 "compile_times_s": list(self._compile_times_s),
+                "worker_pids": [pid for slot in self._slots if (pid := slot.pid) is not None],
             }
 
     def shutdown(self) -> None:
-        """Cancel compiles not yet started and return without waiting for running ones."""
+        """Cancel queued compiles, kill the worker processes and return without waiting for threads.
+
+        A compile running in a worker process is cancelled with it; one on a
+        thread (a backend without worker support) stays pending.
+        """
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
             self._cache.clear()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+            cancelled, self._queue = list(self._queue), deque()
+            cancelled += [job for job, slot in zip(self._assigned, self._slots)
+                          if job is not None and isinstance(slot, CompileWorker)]
+            self._jobs_ready.notify_all()
+        for job in cancelled:
+            _cancel(job.future)
+        for slot in self._slots:
+            slot.close()
 
-    def _compile(self, key: GrammarKey) -> CompiledGrammar:
-        """Runs on a worker thread; every failure leaves as a GrammarError."""
-        start = time.perf_counter()
+    def _drive(self, index: int) -> None:
+        """Slot ``index``'s thread: take queued jobs, run them on the slot, record the outcome."""
+        while (job := self._next_job(index)) is not None:
+            if job.future.done():
+                pass  # cancelled
+            elif time.monotonic() > job.deadline:
+                self._finish_timeout(job)  # nobody waits any more; do not start it
+            elif not self._run(index, job):
+                break
+            with self._lock:
+                self._assigned[index] = None
+        self._slots[index].close()
+
+    def _run(self, index: int, job: CompileJob) -> bool:
+        """Run ``job`` on slot ``index`` and complete its future; False once the manager has shut down."""
+        slot = self._slots[index]
         try:
-            compiled = self.backend.compile(key)
-        except GrammarError:
-            self._count_failure()
-            raise
-        except Exception as e:
-            self._count_failure()
-            raise _backend_failure(key, e) from e
-        elapsed_s = time.perf_counter() - start
-        with self._lock:
-            self._num_compiled += 1
-            self._compile_times_s.append(elapsed_s)
-        return compiled
+            compiled, compile_s = slot.run(job)
+        except CompilerClosed:  # `shutdown` has cancelled the job if it ran in a worker process
+            return False
+        except CompileTimeout:
+            self._finish_timeout(job)
+        except WorkerCrashed as e:
+            self._finish_error(job, GrammarError(str(e), job.key.param), uncache=True)
+        except WorkerSetupError as e:
+            logger.warning("grammar compiles run on a thread, which cannot be stopped: %s", e)
+            slot.close()
+            self._slots[index] = ThreadSlot(self.backend)
+            return self._run(index, job)
+        except BaseException as e:  # noqa: BLE001 — every failure reaches the request
+            self._finish_error(job, e if isinstance(e, GrammarError) else _backend_failure(job.key, e))
+        else:
+            with self._lock:
+                self._num_compiled += 1
+                self._compile_times_s.append(compile_s)
+            _set_future(job.future, result=compiled)
+        return True
 
-    def _count_failure(self) -> None:
+    def _next_job(self, index: int) -> CompileJob | None:
+        """Slot ``index``'s next job (assigned by `request` or queued); None after `shutdown`."""
+        with self._lock:
+            while not self._closed:
+                if self._assigned[index] is None and self._queue:
+                    self._assigned[index] = self._queue.popleft()
+                if self._assigned[index] is not None:
+                    return self._assigned[index]
+                self._jobs_ready.wait()
+            return None
+
+    def _finish_error(self, job: CompileJob, error: GrammarError, *, uncache: bool = False) -> None:
+        """Fail ``job``; with ``uncache`` drop it from the cache (a later request compiles afresh)."""
         with self._lock:
             self._num_failures += 1
+            if uncache:
+                self._uncache(job)
+        _set_future(job.future, error=error)
+
+    def _finish_timeout(self, job: CompileJob) -> None:
+        """Fail ``job`` with the timeout and drop it from the cache."""
+        with self._lock:
+            self._num_timeouts += 1
+            self._uncache(job)
+        _set_future(job.future, error=_timeout_error(job.key, self.compile_timeout))
+
+    def _uncache(self, job: CompileJob) -> None:
+        cache_key = (self.backend.name, job.key.kind, job.key.text)
+        if self._cache.get(cache_key) is job:
+            del self._cache[cache_key]
+
+
+class ThreadSlot:
+    """Runs each compile on a fresh daemon thread of this process.
+
+    A compile past its job's deadline is abandoned: `run` raises
+    `CompileTimeout` and the slot takes the next job on a new thread while the
+    old one runs on (it cannot be stopped) and its result is dropped.
+    """
+
+    pid = None
+
+    def __init__(self, backend: GrammarBackend):
+        self.backend = backend
+        self._closed = threading.Event()
+        self._wakeup: threading.Event | None = None
+        self.num_abandoned = 0
+
+    def run(self, job: CompileJob) -> tuple[CompiledGrammar, float]:
+        """Compile ``job.key``; (compiled, seconds).
+
+        Raises
+        ------
+        GrammarError
+            As the backend's ``compile``; other exceptions pass through.
+        CompileTimeout
+            ``job.deadline`` passed first (the thread is abandoned).
+        CompilerClosed
+            `close` was called first.
+        """
+        done = self._wakeup = threading.Event()
+        outcome: dict = {}
+
+        def compile_on_thread() -> None:
+            start = time.perf_counter()
+            try:
+                outcome["compiled"] = self.backend.compile(job.key)
+            except BaseException as e:  # noqa: BLE001 — handed to the slot's thread
+                outcome["error"] = e
+            outcome["compile_s"] = time.perf_counter() - start
+            done.set()
+
+        threading.Thread(target=compile_on_thread, name="arborlm-grammar-compile", daemon=True).start()
+        while not done.wait(max(0.0, job.deadline - time.monotonic())):
+            if time.monotonic() > job.deadline:
+                self.num_abandoned += 1
+                logger.warning("abandoned a %s grammar compile past its deadline (%d so far); its thread runs on",
+                               job.key.kind, self.num_abandoned)
+                raise CompileTimeout
+        if self._closed.is_set() and "compile_s" not in outcome:
+            raise CompilerClosed
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["compiled"], outcome["compile_s"]
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+
+def _make_slots(backend: GrammarBackend, count: int) -> list:
+    """``count`` `CompileWorker` slots when ``backend`` can compile in a worker process, else `ThreadSlot` ones."""
+    if backend.worker_args() is not None:
+        try:
+            setup = setup_message(backend)
+        except WorkerSetupError as e:
+            logger.warning("grammar compiles run on threads, which cannot be stopped: %s", e)
+        else:
+            return [CompileWorker(backend, setup) for _ in range(count)]
+    return [ThreadSlot(backend) for _ in range(count)]
+
+
+def _cancel(future: concurrent.futures.Future) -> None:
+    """Cancel ``future`` and wake its waiters (``concurrent.futures.wait`` ignores a bare ``cancel``).
+
+    Only `GrammarManager.shutdown` cancels, once.
+    """
+    if not future.done() and future.cancel():
+        future.set_running_or_notify_cancel()
+
+
+def _set_future(future: concurrent.futures.Future, *, result=None, error: BaseException | None = None) -> None:
+    """Complete ``future`` unless it is done already (cancelled by shutdown)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+def _timeout_error(key: GrammarKey, timeout_s: float) -> GrammarError:
+    return GrammarError(
+        f"the {key.kind} grammar did not compile within grammar_compile_timeout={timeout_s:g} s", key.param
+    )
 
 
 def _backend_failure(key: GrammarKey, error: BaseException) -> GrammarError:

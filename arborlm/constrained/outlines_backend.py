@@ -325,6 +325,20 @@ class OutlinesBackend(GrammarBackend):
             self.check(key)  # raises the unsupported-kind error
         return OutlinesGrammar(_build_index(key, _regex_of(key), self.vocabulary), self)
 
+    def compile_serialized(self, key: GrammarKey) -> outlines_core.Index:
+        """`compile` in a compile worker process; the ``Index``, which pickles (0.3 MB in 1 ms for 2 fields).
+
+        Raises
+        ------
+        GrammarError
+            As `compile`.
+        """
+        return self.compile(key).index
+
+    def load_compiled(self, key: GrammarKey, payload: outlines_core.Index) -> OutlinesGrammar:
+        """The grammar of a `compile_serialized` ``Index`` (built over the same vocabulary)."""
+        return OutlinesGrammar(payload, self)
+
     @classmethod
     def relax_json_schema(cls, key: GrammarKey) -> tuple[GrammarKey, tuple[str, ...]]:
         """Lenient mode: the key of ``key``'s schema with what outlines-core would enforce only in part relaxed.

@@ -64,6 +64,8 @@ _LOG_PREFIX = re.compile(
 )
 _INPUT_ECHO = re.compile(r"\s*The JSON string is:.*", re.DOTALL)
 MAX_ERROR_CHARS = 500
+# Largest compiled grammar (``memory_size_bytes``) a compile worker ships as JSON (about 0.1 MB of it).
+MAX_SHIPPED_BYTES = 64 * 1024
 # Rules named in a "can never finish" error; the rest are counted.
 MAX_RULES_NAMED = 3
 
@@ -197,6 +199,31 @@ class XGrammarBackend(GrammarBackend):
             return XGrammarCompiledGrammar(self.compiler.compile_grammar(grammar), jump_forward)
         except Exception as e:
             raise _grammar_error(key, e) from e
+
+    def compile_serialized(self, key: GrammarKey) -> tuple[str, bool] | None:
+        """`compile` in a compile worker process; (xgrammar's JSON, jump_forward) for a small grammar, else None.
+
+        xgrammar's JSON repeats its whole FSM per rule, so writing and reading
+        it costs far more than compiling again for all but small grammars
+        (SmolLM2, 49152 tokens: a 3.8 KB schema compiles in 15 ms, 0.05 MB of
+        JSON, 2 + 5 ms; a Github_medium schema in 36 ms, 0.3 MB, 106 + 46 ms;
+        WashingtonPost wp_17 in 5.7 s, 884 MB, 94 + 56 s). Above
+        `MAX_SHIPPED_BYTES` compiled bytes the serving process compiles again (None).
+
+        Raises
+        ------
+        GrammarError
+            As `compile`.
+        """
+        compiled = self.compile(key)
+        if compiled.memory_size_bytes > MAX_SHIPPED_BYTES:
+            return None
+        return compiled.compiled.serialize_json(), compiled.jump_forward
+
+    def load_compiled(self, key: GrammarKey, payload: tuple[str, bool]) -> XGrammarCompiledGrammar:
+        """The grammar of a `compile_serialized` payload, bound to this backend's tokenizer info."""
+        text, jump_forward = payload
+        return XGrammarCompiledGrammar(xgr.CompiledGrammar.deserialize_json(text, self.tokenizer_info), jump_forward)
 
 
 def can_always_finish(key: GrammarKey, grammar: xgr.Grammar) -> bool:

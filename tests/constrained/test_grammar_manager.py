@@ -152,8 +152,24 @@ def test_shutdown_does_not_wait_for_stuck_compile(backend):
         manager.request(regex("a"))
 
 
+def test_stuck_thread_compile_gives_up_its_slot(backend):
+    manager = GrammarManager(backend, compile_timeout=0.3, max_workers=1)
+    try:
+        assert not manager.uses_worker_processes  # the fake backend cannot ship its grammars
+        slow = manager.request(regex("slow"))
+        with pytest.raises(GrammarError, match="grammar_compile_timeout"):
+            wait_result(manager, slow)
+        assert isinstance(wait_result(manager, manager.request(regex("fast"))), FakeCompiled)
+        stats = manager.stats()
+        assert stats["num_timeouts"] == 1 and stats["num_compiled"] == 1 and stats["num_cached"] == 1
+    finally:
+        manager.shutdown()
+
+
 def test_rejects_bad_settings(backend):
     with pytest.raises(ValueError, match="compile_timeout"):
         GrammarManager(backend, compile_timeout=0)
     with pytest.raises(ValueError, match="max_cache_entries"):
         GrammarManager(backend, compile_timeout=1, max_cache_entries=0)
+    with pytest.raises(ValueError, match="max_workers"):
+        GrammarManager(backend, compile_timeout=1, max_workers=0)
