@@ -23,17 +23,22 @@ ship (test fakes) compile on threads: a compile past its deadline gives up its
 slot to a new thread, so it cannot starve the others, but it keeps its core
 busy until it returns (a daemon thread, so it does not hold up exit).
 
-Cost of the worker process (SmolLM2 tokenizer, 49152 tokens, 2 busy cores):
-start-up 3 to 9 s (importing xgrammar imports torch and transformers), paid by
-the first compile and hidden after a kill by restarting at once; per compile,
-the xgrammar JSON shipped back costs 2 to 40 ms more than compiling in-thread
-for ordinary schemas (5 to 15 ms to compile). xgrammar's JSON repeats its whole
-FSM per rule: a large JSONSchemaBench schema (WashingtonPost wp_17, 80 KB)
-compiles in 5.7 s, but its JSON is 884 MB (94 s to write, 56 s to read), so a
-grammar of more than `~xgrammar_backend.MAX_SHIPPED_BYTES` compiled bytes is
-compiled again in the serving process once the worker has shown that it
-finishes (twice the compile time, bounded). outlines-core's Index pickles in
-under 1 ms.
+Cost of the worker process (SmolLM2 tokenizer, 49152 tokens, a busy 2-core
+machine): start-up 3 s idle, 7 to 9 s busy (importing xgrammar imports torch
+and transformers), paid by a slot's first compile and, after a kill, hidden by
+restarting at once; about 300 MB resident per worker. xgrammar's JSON form of
+a compiled grammar repeats its whole FSM per rule: a large JSONSchemaBench
+schema (WashingtonPost wp_17, 80 KB) compiles in 5.7 s, but its JSON is
+884 MB, 94 s to write and 56 s to read, and over 60 sampled schemas writing
+plus reading it cost 1 to 30 times the compile. So xgrammar ships only
+grammars of at most `~xgrammar_backend.MAX_SHIPPED_BYTES` compiled bytes (a
+few ms); the serving process compiles the others again once the worker has
+shown that they finish (twice the compile time, bounded). outlines-core's
+Index pickles in under 1 ms. Cache hits cost nothing more.
+
+A manager dropped without `shutdown` is collected (its slot threads hold it
+only while they work) and its workers are killed; a worker also exits by
+itself when its parent dies.
 
 After SGLang's ``sglang/srt/constrained/base_grammar_backend.py`` (cache of
 futures) and its scheduler's grammar queue (timeout per request).
@@ -45,6 +50,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -61,6 +67,8 @@ from arborlm.constrained.compile_worker import (
 logger = logging.getLogger(__name__)
 
 GRAMMAR_BACKEND_NAMES = ("xgrammar", "outlines")
+# How often an idle slot's thread checks that its manager is still referenced.
+IDLE_CHECK_S = 1.0
 
 
 def backend_class(name: str) -> type[GrammarBackend]:
@@ -198,7 +206,13 @@ class GrammarManager:
         self._slots = _make_slots(backend, max_workers)
         self._assigned: list[CompileJob | None] = [None] * max_workers  # each slot's current job
         for i in range(max_workers):
-            threading.Thread(target=self._drive, args=(i,), name=f"arborlm-grammar-{i}", daemon=True).start()
+            # A weak reference: a manager dropped without `shutdown` is collected, and its slots close.
+            threading.Thread(
+                target=_drive_slot,
+                args=(weakref.ref(self), self._jobs_ready, i),
+                name=f"arborlm-grammar-{i}",
+                daemon=True,
+            ).start()
 
     @property
     def uses_worker_processes(self) -> bool:
@@ -291,18 +305,23 @@ class GrammarManager:
         for slot in self._slots:
             slot.close()
 
-    def _drive(self, index: int) -> None:
-        """Slot ``index``'s thread: take queued jobs, run them on the slot, record the outcome."""
-        while (job := self._next_job(index)) is not None:
-            if job.future.done():
-                pass  # cancelled
-            elif time.monotonic() > job.deadline:
-                self._finish_timeout(job)  # nobody waits any more; do not start it
-            elif not self._run(index, job):
-                break
-            with self._lock:
-                self._assigned[index] = None
-        self._slots[index].close()
+    def _take_job(self, index: int) -> CompileJob | None:
+        """Slot ``index``'s next job (assigned by `request`, or the oldest queued); call under the lock."""
+        if self._assigned[index] is None and self._queue:
+            self._assigned[index] = self._queue.popleft()
+        return self._assigned[index]
+
+    def _step(self, index: int, job: CompileJob) -> bool:
+        """Run ``job`` on slot ``index`` unless it is cancelled or overdue; False after `shutdown`."""
+        if job.future.done():
+            pass  # cancelled
+        elif time.monotonic() > job.deadline:
+            self._finish_timeout(job)  # nobody waits any more; do not start it
+        elif not self._run(index, job):
+            return False
+        with self._lock:
+            self._assigned[index] = None
+        return True
 
     def _run(self, index: int, job: CompileJob) -> bool:
         """Run ``job`` on slot ``index`` and complete its future; False once the manager has shut down."""
@@ -329,17 +348,6 @@ class GrammarManager:
             _set_future(job.future, result=compiled)
         return True
 
-    def _next_job(self, index: int) -> CompileJob | None:
-        """Slot ``index``'s next job (assigned by `request` or queued); None after `shutdown`."""
-        with self._lock:
-            while not self._closed:
-                if self._assigned[index] is None and self._queue:
-                    self._assigned[index] = self._queue.popleft()
-                if self._assigned[index] is not None:
-                    return self._assigned[index]
-                self._jobs_ready.wait()
-            return None
-
     def _finish_error(self, job: CompileJob, error: GrammarError, *, uncache: bool = False) -> None:
         """Fail ``job``; with ``uncache`` drop it from the cache (a later request compiles afresh)."""
         with self._lock:
@@ -359,6 +367,32 @@ class GrammarManager:
         cache_key = (self.backend.name, job.key.kind, job.key.text)
         if self._cache.get(cache_key) is job:
             del self._cache[cache_key]
+
+
+def _drive_slot(manager_ref: weakref.ref, jobs_ready: threading.Condition, index: int) -> None:
+    """Slot ``index``'s thread: run jobs until the manager shuts down or is collected, then close the slot.
+
+    It holds the manager only while it takes or runs a job, not while it waits
+    (on the manager's condition), so a manager dropped without `shutdown` is
+    collected and its worker processes are killed.
+    """
+    slot = None
+    while True:
+        with jobs_ready:
+            manager = manager_ref()
+            if manager is None or manager._closed:
+                break
+            slot = manager._slots[index]
+            job = manager._take_job(index)
+            if job is None:
+                del manager
+                jobs_ready.wait(IDLE_CHECK_S)
+                continue
+        if not manager._step(index, job):
+            break
+        del manager, job
+    if slot is not None:
+        slot.close()
 
 
 class ThreadSlot:

@@ -4,6 +4,7 @@ parent leave no worker behind."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -48,6 +49,13 @@ def wait_gone(pid: int, timeout: float = 10) -> bool:
     return is_gone(pid)
 
 
+def no_worker_children(timeout: float = 2) -> bool:
+    end = time.monotonic() + timeout
+    while worker_children() and time.monotonic() < end:
+        time.sleep(0.05)
+    return worker_children() == []
+
+
 def worker_children() -> list[int]:
     """Live compile worker processes whose parent is this process."""
     found = []
@@ -59,7 +67,7 @@ def worker_children() -> list[int]:
             cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if int(stat[1]) == os.getpid() and stat[0] != "Z" and b"compile_worker" in cmdline:
+        if int(stat[1]) == os.getpid() and stat[0] != "Z" and b"compile_worker import main" in cmdline:
             found.append(int(entry.name))
     return found
 
@@ -79,7 +87,7 @@ def manager():
     manager.compile_timeout = TIMEOUT_S
     yield manager
     manager.shutdown()
-    assert worker_children() == []
+    assert no_worker_children()
 
 
 def test_compiles_in_a_worker_process(manager):
@@ -161,7 +169,7 @@ def test_shutdown_kills_the_workers_at_once(manager):
     start = time.monotonic()
     manager.shutdown()
     assert time.monotonic() - start < 1
-    assert worker_children() == []
+    assert no_worker_children()
     assert all(is_gone(pid) for pid in pids)
     start = time.monotonic()
     assert len(manager.wait_any(stuck + queued, timeout=5)) == 4 and time.monotonic() - start < 1
@@ -197,6 +205,14 @@ def test_workers_exit_when_their_parent_dies(tmp_path):
     pids = [int(p) for p in out.stdout.split()]
     assert pids
     assert all(wait_gone(pid) for pid in pids)
+
+
+def test_a_dropped_manager_closes_its_workers():
+    manager = GrammarManager(SleepyBackend(), compile_timeout=120)
+    pid = wait_result(manager, manager.request(regex("a")), timeout=120).pid
+    del manager
+    gc.collect()
+    assert wait_gone(pid, timeout=10)
 
 
 def test_backends_without_worker_support_use_threads():
@@ -237,7 +253,7 @@ def test_real_backends_compile_in_a_worker(name, tokenizer, eos):
         assert manager.stats()["num_compiled"] == 2 and manager.stats()["num_failures"] == 1
     finally:
         manager.shutdown()
-    assert worker_children() == []
+    assert no_worker_children()
 
 
 def test_xgrammar_ships_small_grammars_and_compiles_large_ones_again(tokenizer, eos):
