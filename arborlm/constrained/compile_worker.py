@@ -155,27 +155,33 @@ class CompileWorker:
         proc = self._proc
         if proc is None:
             raise CompilerClosed
+        if not self._ready:
+            # A job that times out while the worker starts leaves it starting (killing it
+            # would start over, and a timeout shorter than the start-up would never compile).
+            reply = self._receive(job, proc, kill_at_deadline=False)
+            if reply[0] == "setup_failed":
+                self._kill()
+                raise WorkerSetupError(f"the grammar compile worker could not build the backend:\n{reply[1]}")
+            self._ready = True
         try:
             _write_message(proc.stdin.fileno(), pickle.dumps(("compile", job.key.kind, job.key.text)))
         except (OSError, ValueError):
             pass  # it died since (or was closed); the read below says how
-        while True:
-            reply = self._receive(job, proc)
-            if reply[0] == "ready":
-                self._ready = True
-                continue
-            if reply[0] == "setup_failed":
-                self._kill()
-                raise WorkerSetupError(f"the grammar compile worker could not build the backend:\n{reply[1]}")
-            return reply
+        return self._receive(job, proc)
 
-    def _receive(self, job, proc: subprocess.Popen) -> tuple:
-        """The worker's next reply, waiting until ``job.deadline``; kills or restarts the worker as needed."""
+    def _receive(self, job, proc: subprocess.Popen, kill_at_deadline: bool = True) -> tuple:
+        """The worker's next reply, waiting until ``job.deadline``.
+
+        Raises `CompileTimeout` at the deadline (after killing the worker and
+        starting a fresh one, with ``kill_at_deadline``), `CompilerClosed`,
+        `WorkerCrashed` (a fresh worker started) or `WorkerSetupError` when it ends.
+        """
         fd = proc.stdout.fileno()
         while True:
             remaining = job.deadline - time.monotonic()
             if remaining <= 0:
-                self._restart()
+                if kill_at_deadline:
+                    self._restart()
                 raise CompileTimeout
             if select.select([fd], [], [], remaining)[0]:
                 break

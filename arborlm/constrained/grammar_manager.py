@@ -312,56 +312,70 @@ class GrammarManager:
         return self._assigned[index]
 
     def _step(self, index: int, job: CompileJob) -> bool:
-        """Run ``job`` on slot ``index`` unless it is cancelled or overdue; False after `shutdown`."""
+        """Run ``job`` on slot ``index`` unless it is cancelled or overdue; False after `shutdown`.
+
+        The slot is marked idle before the job's waiters wake, so that their next
+        request finds it free.
+        """
+        outcome = None  # (compiled, error)
         if job.future.done():
             pass  # cancelled
         elif time.monotonic() > job.deadline:
-            self._finish_timeout(job)  # nobody waits any more; do not start it
-        elif not self._run(index, job):
-            return False
+            outcome = None, self._timed_out(job)  # nobody waits any more; do not start it
+        else:
+            try:
+                outcome = self._run(index, job)
+            except CompilerClosed:  # `shutdown` has cancelled the job if it ran in a worker process
+                return False
         with self._lock:
             self._assigned[index] = None
+        if outcome is not None:
+            _set_future(job.future, result=outcome[0], error=outcome[1])
         return True
 
-    def _run(self, index: int, job: CompileJob) -> bool:
-        """Run ``job`` on slot ``index`` and complete its future; False once the manager has shut down."""
+    def _run(self, index: int, job: CompileJob) -> tuple[CompiledGrammar | None, GrammarError | None]:
+        """Run ``job`` on slot ``index`` and count the outcome: (compiled grammar, None) or (None, error).
+
+        Raises
+        ------
+        CompilerClosed
+            The manager shut down meanwhile.
+        """
         slot = self._slots[index]
         try:
             compiled, compile_s = slot.run(job)
-        except CompilerClosed:  # `shutdown` has cancelled the job if it ran in a worker process
-            return False
+        except CompilerClosed:
+            raise
         except CompileTimeout:
-            self._finish_timeout(job)
+            return None, self._timed_out(job)
         except WorkerCrashed as e:
-            self._finish_error(job, GrammarError(str(e), job.key.param), uncache=True)
+            return None, self._failed(job, GrammarError(str(e), job.key.param), uncache=True)
         except WorkerSetupError as e:
             logger.warning("grammar compiles run on a thread, which cannot be stopped: %s", e)
             slot.close()
             self._slots[index] = ThreadSlot(self.backend)
             return self._run(index, job)
         except BaseException as e:  # noqa: BLE001 — every failure reaches the request
-            self._finish_error(job, e if isinstance(e, GrammarError) else _backend_failure(job.key, e))
-        else:
-            with self._lock:
-                self._num_compiled += 1
-                self._compile_times_s.append(compile_s)
-            _set_future(job.future, result=compiled)
-        return True
+            return None, self._failed(job, e if isinstance(e, GrammarError) else _backend_failure(job.key, e))
+        with self._lock:
+            self._num_compiled += 1
+            self._compile_times_s.append(compile_s)
+        return compiled, None
 
-    def _finish_error(self, job: CompileJob, error: GrammarError, *, uncache: bool = False) -> None:
-        """Fail ``job``; with ``uncache`` drop it from the cache (a later request compiles afresh)."""
+    def _failed(self, job: CompileJob, error: GrammarError, *, uncache: bool = False) -> GrammarError:
+        """Count a failed compile; with ``uncache`` drop it from the cache (a later request compiles afresh)."""
         with self._lock:
             self._num_failures += 1
             if uncache:
                 self._uncache(job)
-        _set_future(job.future, error=error)
+        return error
 
-    def _finish_timeout(self, job: CompileJob) -> None:
-        """Fail ``job`` with the timeout and drop it from the cache."""
+    def _timed_out(self, job: CompileJob) -> GrammarError:
+        """Count a compile given up at its deadline and drop it from the cache; the error for it."""
         with self._lock:
             self._num_timeouts += 1
             self._uncache(job)
-        _set_future(job.future, error=_timeout_error(job.key, self.compile_timeout))
+        return _timeout_error(job.key, self.compile_timeout)
 
     def _uncache(self, job: CompileJob) -> None:
         cache_key = (self.backend.name, job.key.kind, job.key.text)

@@ -207,6 +207,19 @@ def test_workers_exit_when_their_parent_dies(tmp_path):
     assert all(wait_gone(pid) for pid in pids)
 
 
+def test_timeouts_shorter_than_the_start_up_do_not_restart_the_worker():
+    manager = GrammarManager(SleepyBackend(), compile_timeout=0.05, max_workers=1)
+    try:
+        first = manager.request(regex("a"))
+        with pytest.raises(GrammarError, match="grammar_compile_timeout"):
+            wait_result(manager, first, timeout=10)
+        pid = manager.stats()["worker_pids"][0]
+        manager.compile_timeout = 120
+        assert wait_result(manager, manager.request(regex("b")), timeout=120).pid == pid  # the same worker
+    finally:
+        manager.shutdown()
+
+
 def test_a_dropped_manager_closes_its_workers():
     manager = GrammarManager(SleepyBackend(), compile_timeout=120)
     pid = wait_result(manager, manager.request(regex("a")), timeout=120).pid
