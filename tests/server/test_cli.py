@@ -30,6 +30,7 @@ def test_options_not_given_keep_the_defaults():
     (["--port", "8080"], "port", 8080),
     (["--mem-fraction", "0.5"], "mem_fraction", 0.5),
     (["--disable-radix-cache"], "disable_radix_cache", True),
+    (["--disable-jump-forward"], "disable_jump_forward", True),
     (["--no-disable-jump-forward"], "disable_jump_forward", False),
     (["--max-queued-requests", "3"], "max_queued_requests", 3),
     (["--api-key", "k"], "api_key", "k"),
