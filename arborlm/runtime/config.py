@@ -193,10 +193,16 @@ class ServerConfig:
         metadata={"help": "model name the OpenAI API reports and accepts (besides 'default'); "
                           "default the model path, or SmolLM2-135M-Instruct"},
     )
+    # 32 MiB holds a full-context prompt as token ids many times over, and big schemas and batches.
+    max_request_bytes: int = field(
+        default=32 * 1024 * 1024,
+        metadata={"help": "largest request body accepted, in bytes; larger ones get 413"},
+    )
 
     def __post_init__(self):
         _check_types(self)
         _check(0 <= self.port < 65536, "port", self.port, "0..65535")
+        _check(self.max_request_bytes >= 1, "max_request_bytes", self.max_request_bytes, ">= 1")
         _check(
             self.log_level in LOG_LEVELS, "log_level", self.log_level, f"one of {LOG_LEVELS}",
         )

@@ -20,6 +20,7 @@ from fastapi.responses import Response
 from arborlm import __version__
 from arborlm.runtime.launcher import close_front
 from arborlm.runtime.server import native_api
+from arborlm.runtime.server.body_limit import BodyLimitMiddleware
 from arborlm.runtime.server.errors import APIError, install_error_handlers
 from arborlm.runtime.server.openai_chat import chat_completions
 from arborlm.runtime.server.openai_completions import completions
@@ -49,6 +50,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.arbor = state
     install_error_handlers(app)
     _install_auth(app, state.server_args.server.api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.server_args.server.max_request_bytes)  # outermost
     app.include_router(native_api.router)
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"])
