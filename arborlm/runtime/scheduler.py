@@ -282,13 +282,19 @@ class Scheduler:
         if match is None:
             match = self.tree_cache.match_prefix(req.prefix_match_key(), req.cache_salt)
         prefix_len = len(match.device_indices)
+        # Locking the matched prefix takes it out of the evictable slots the budget counted on
+        # (SGLang's PrefillAdder does the same): without this, a re-admitted retracted request
+        # whose prefix filled the cache found no slot for its extend and was aborted.
+        unlocked = self.tree_cache.inc_lock_ref(match.last_node)
+        adder.rem_total_tokens += unlocked
         if not adder.add_one_req(req, prefix_len, nothing_running=not self.running):
+            adder.rem_total_tokens += self.tree_cache.dec_lock_ref(match.last_node)
             return False
         rows = self.req_to_token_pool.alloc(1)
         if rows is None:
             adder.can_run_list.remove(req)
+            adder.rem_total_tokens += self.tree_cache.dec_lock_ref(match.last_node)
             return False
-        self.tree_cache.inc_lock_ref(match.last_node)
         req.req_pool_idx = rows[0]
         req.prefix_indices = match.device_indices
         req.last_node = match.last_node
