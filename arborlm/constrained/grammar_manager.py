@@ -272,7 +272,8 @@ class GrammarManager:
         whose worker died; num_timeouts: compiles given up at their deadline;
         num_cached: entries in the cache; compile_times_s: the latest compile
         durations in seconds (oldest first, bounded); worker_pids: the live
-        compile worker processes.
+        compile worker processes; num_worker_starts: worker processes started
+        (restarts after a kill or a crash included).
         """
         with self._lock:
             return {
@@ -283,6 +284,7 @@ class GrammarManager:
                 "num_cached": len(self._cache),
                 "compile_times_s": list(self._compile_times_s),
                 "worker_pids": [pid for slot in self._slots if (pid := slot.pid) is not None],
+                "num_worker_starts": sum(getattr(slot, "num_started", 0) for slot in self._slots),
             }
 
     def shutdown(self) -> None:

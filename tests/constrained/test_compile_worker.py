@@ -157,7 +157,8 @@ def test_a_killed_worker_is_restarted(manager):
     assert wait_gone(second.pid)
     third = wait_result(manager, manager.request(regex("c")))
     assert third.pid not in (first.pid, second.pid)
-    assert manager.stats()["num_failures"] == 1
+    stats = manager.stats()
+    assert stats["num_failures"] == 1 and stats["num_worker_starts"] >= 4, stats  # 2, then after the kill, the crash
 
 
 def test_shutdown_kills_the_workers_at_once(manager):
