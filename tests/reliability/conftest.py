@@ -1,7 +1,7 @@
 """Servers for the reliability battery: `arborlm serve` on the tiny random Llama, one per setting.
 
 - `main_server`: a roomy KV pool, 32 running + 256 queued requests, a 2 MiB body limit and a
-  5 s grammar compile timeout (bad input, abort storm, soak; the unpressured reference).
+  10 s grammar compile timeout (bad input, abort storm, soak; the unpressured reference).
 - `pressured_server`: a 400-token KV pool, too small for its running batch (KV pressure).
 - `fault_server`: a server whose scheduler the fault test kills.
 
@@ -33,7 +33,7 @@ PRESSURED_POOL_TOKENS = 400
 SERVER_FLAGS = {
     "main_server": ("--max-total-tokens", "8192", "--max-running-requests", str(MAIN_RUNNING),
                     "--max-queued-requests", str(MAIN_QUEUE), "--max-request-bytes", str(MAX_REQUEST_BYTES),
-                    "--grammar-compile-timeout", "5"),
+                    "--grammar-compile-timeout", "10"),
     # admit eagerly (5% of max_new_tokens reserved) so that decoding runs out of slots and must retract
     "pressured_server": ("--max-total-tokens", str(PRESSURED_POOL_TOKENS), "--max-running-requests", "16",
                          "--max-queued-requests", "64", "--init-new-token-ratio", "0.05",
