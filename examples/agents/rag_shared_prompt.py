@@ -74,11 +74,11 @@ class BM25:
 
 
 @sgl.function
-def ranger(s, question, passages):
+def ranger(s, question, passages, answer_tokens):
     s += sgl.system(SYSTEM_PROMPT)
     context = "\n".join(f"[{p['id']}] {p['text']}" for p in passages)
     s += sgl.user(f"Handbook passages:\n{context}\n\nQuestion: {question}")
-    s += sgl.assistant(sgl.gen("answer", max_tokens=40, stop=["\n"]))
+    s += sgl.assistant(sgl.gen("answer", max_tokens=answer_tokens, stop=["\n"]))
 
 
 QUESTIONS = [
@@ -112,7 +112,7 @@ class RagRun:
 
 
 def main(backend=None, *, model: str | None = None, questions: list[str] | None = None,
-         top_k: int = 3) -> RagRun:
+         top_k: int = 3, answer_tokens: int = 40) -> RagRun:
     """Answer `questions` from the corpus in one batch; print the answers and the cache hit rate.
 
     `backend`: an `arborlm.Engine` or DSL backend; None starts an Engine on `model`.
@@ -121,10 +121,11 @@ def main(backend=None, *, model: str | None = None, questions: list[str] | None 
         start = time.perf_counter()
         with sgl.Engine(model=model) as engine:
             print(f"engine ready in {time.perf_counter() - start:.1f} s\n")
-            return main(engine, questions=questions, top_k=top_k)
+            return main(engine, questions=questions, top_k=top_k, answer_tokens=answer_tokens)
     questions = QUESTIONS if questions is None else questions
     retriever = BM25(load_corpus())
-    batch = [{"question": q, "passages": retriever.top(q, top_k)} for q in questions]
+    batch = [{"question": q, "passages": retriever.top(q, top_k), "answer_tokens": answer_tokens}
+             for q in questions]
     before = sgl.get_server_info(backend)
     start = time.perf_counter()
     # Greedy with a mild repetition penalty: a 135M model loops without it.

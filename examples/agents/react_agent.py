@@ -137,13 +137,13 @@ Arguments: {"answer": "8849 metres"}"""
 
 
 @sgl.function
-def react(s, question, max_steps):
+def react(s, question, max_steps, thought_tokens=24):
     s += sgl.system(SYSTEM_PROMPT)
     s += sgl.user(f"Question: {question}")
     for step in range(max_steps):
         with s.assistant():
             # "I need to" steers a small model towards naming a tool rather than guessing a result.
-            s += "Thought: I need to" + sgl.gen(f"thought_{step}", max_tokens=24, stop=["\n"])
+            s += "Thought: I need to" + sgl.gen(f"thought_{step}", max_tokens=thought_tokens, stop=["\n"])
             s += "\nAction: " + sgl.select(f"tool_{step}", choices=list(TOOL_SCHEMAS))
             tool = s[f"tool_{step}"]
             s += "\nArguments: " + sgl.gen(f"args_{step}", json_schema=TOOL_SCHEMAS[tool], max_tokens=48)
@@ -207,7 +207,7 @@ QUESTIONS = [
 
 
 def main(backend=None, *, model: str | None = None, questions: list[str] | None = None,
-         max_steps: int = 3) -> list[Episode]:
+         max_steps: int = 3, thought_tokens: int = 24) -> list[Episode]:
     """Run the agent on every question; print and return each episode's steps.
 
     `backend`: an `arborlm.Engine` or DSL backend; None starts an Engine on `model`.
@@ -216,11 +216,12 @@ def main(backend=None, *, model: str | None = None, questions: list[str] | None 
         start = time.perf_counter()
         with sgl.Engine(model=model) as engine:
             print(f"engine ready in {time.perf_counter() - start:.1f} s\n")
-            return main(engine, questions=questions, max_steps=max_steps)
+            return main(engine, questions=questions, max_steps=max_steps, thought_tokens=thought_tokens)
     questions = QUESTIONS if questions is None else questions
     start = time.perf_counter()
     # Greedy with a mild repetition penalty: a 135M model loops without it.
-    states = react.run_batch([{"question": q, "max_steps": max_steps} for q in questions],
+    states = react.run_batch([{"question": q, "max_steps": max_steps, "thought_tokens": thought_tokens}
+                              for q in questions],
                              backend=backend, temperature=0, repetition_penalty=1.1)
     episodes = []
     for question, state in zip(questions, states):
