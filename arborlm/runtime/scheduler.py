@@ -258,6 +258,11 @@ class Scheduler:
         adder.reserve_running(self.running)
         matches = {}
         if self.chunked_req is not None:
+            # The next chunk must fit in the pool now: shrink it to the room left, or wait for
+            # the running requests to free some (they reserved theirs) instead of failing.
+            if adder.rem_total_tokens <= 0:
+                return None
+            adder.rem_chunk_tokens = min(adder.rem_chunk_tokens, adder.rem_total_tokens)
             req, self.chunked_req = self.chunked_req, None
             adder.add_one_req(req, req.kv_len, nothing_running=True)
         else:

@@ -284,3 +284,15 @@ def test_failed_forward_aborts_its_batch_and_frees_its_slots(make_scheduler, mon
 def test_context_longer_than_the_model_is_refused(tiny_llama_dir, tiny_tokenizer):
     with pytest.raises(ValueError, match="max_position_embeddings"):
         create_scheduler(tiny_llama_dir, tiny_tokenizer, context_length=4096)
+
+
+def test_chunked_prefill_under_kv_pressure_never_aborts(make_scheduler, tiny_hf_model):
+    """Prompts longer than the chunk while running requests fill the pool: the next chunk
+    waits for room (or shrinks to it) instead of failing with "out of KV slots"."""
+    ps = prompts(5, 50, 90, seed=11)
+    sched = make_scheduler(max_total_tokens=230, chunked_prefill_size=16, max_prefill_tokens=16,
+                           init_new_token_ratio=0.05, min_new_token_ratio=0.0, new_token_ratio_decay=0.0)
+    result = run_to_completion(sched, [make_req(f"r{i}", p, max_new_tokens=30, ignore_eos=True) for i, p in enumerate(ps)])
+    for i, p in enumerate(ps):
+        assert result.finish[f"r{i}"]["type"] == "length", result.finish[f"r{i}"]
+        assert result.tokens[f"r{i}"] == reference_greedy(tiny_hf_model, p, 30)
