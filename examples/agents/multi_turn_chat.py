@@ -64,11 +64,11 @@ def main(backend=None, *, model: str | None = None, user_turns: list[str] | None
     turns: list[Turn] = []
     for message in _messages(USER_TURNS if user_turns is None else user_turns, interactive):
         history = [(t.message, t.reply) for t in turns]
-        # Greedy with a frequency penalty (on the reply's own tokens): a 135M model loops
-        # without one, and a repetition penalty, which also counts the prompt's tokens,
-        # pushes it away from the conversation's own words.
+        # Greedy with mild penalties: a 135M model loops within a reply without the frequency
+        # penalty (over the reply's tokens) and repeats its earlier replies without the
+        # repetition penalty (over the prompt's tokens too); a stronger one drives it off topic.
         state = chat_turn.run(history=history, message=message, reply_tokens=reply_tokens, backend=backend,
-                              temperature=0, frequency_penalty=0.5)
+                              temperature=0, repetition_penalty=1.1, frequency_penalty=0.3)
         meta = state.get_meta_info("reply")
         turn = Turn(message, state["reply"].strip(), meta["prompt_tokens"], meta["cached_tokens"],
                     meta["completion_tokens"])
