@@ -19,11 +19,10 @@ import triton
 import triton.language as tl
 
 from arborlm.kernels.triton_common import (
+    attend_kv_tile,
     check_head_dim_contiguous,
-    dot,
     dot_precision,
     dot_upcast,
-    tanh,
 )
 
 
@@ -84,34 +83,14 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for block_start in range(lo, hi, BLOCK_N):
-        pos = block_start + tl.arange(0, BLOCK_N)
-        pos_mask = pos < hi
-        slots = tl.load(Req_to_token + row * stride_r2t_row + pos, mask=pos_mask, other=0).to(tl.int64)
-        kv_mask = pos_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            K_Buffer + slots[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
-            mask=kv_mask, other=0.0,
+        acc, m_i, l_i = attend_kv_tile(
+            acc, m_i, l_i, q, q_pos,
+            K_Buffer, V_Buffer, Req_to_token + row * stride_r2t_row, kv_head, block_start, hi,
+            scale, logit_cap, sliding_window,
+            stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+            offs_d, d_mask,
+            BLOCK_N, USE_LOGIT_CAP, USE_WINDOW, DOT_PRECISION, DOT_UPCAST,
         )
-        scores = dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale
-        if USE_LOGIT_CAP:
-            scores = logit_cap * tanh(scores / logit_cap)
-        visible = pos_mask[None, :] & (pos[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            visible = visible & (pos[None, :] > q_pos[:, None] - sliding_window)
-        scores = tl.where(visible, scores, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        # A row that has seen no key yet keeps m = -inf; shift it by 0 instead (no nan).
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_shift)
-        p = tl.exp(scores - m_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V_Buffer + slots[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
-            mask=kv_mask, other=0.0,
-        )
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
-        m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # every real query sees at least itself
     tl.store(
