@@ -17,7 +17,8 @@ def shared_data_dir() -> Path | None:
         candidates.append(Path(os.environ["ARBORLM_SHARED_DATA"]))
     root = Path(__file__).resolve().parents[1]
     candidates += [p / "shared" / "data" for p in root.parents] + [Path("/work/shared/data")]
-    return next((p for p in candidates if (p / "jsonschemabench").is_dir()), None)
+    # A folder counts only if it holds the data (a stray empty `shared/data` must not win).
+    return next((p for p in candidates if any((p / "jsonschemabench").glob("*.jsonl"))), None)
 
 
 def jsonschemabench_dir() -> Path | None:
