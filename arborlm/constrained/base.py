@@ -149,6 +149,11 @@ class GrammarBackend(abc.ABC):
     # backends that implement both `compile_serialized` and `load_compiled`;
     # others compile on threads of the serving process, which cannot be stopped.
 
+    # Whether the `GrammarManager` compiles in worker processes by default. A backend whose
+    # compiled grammars cost more to ship than to compile (xgrammar's, for large schemas)
+    # sets it False: it then compiles once, on a thread.
+    compile_in_worker_by_default: bool = True
+
     def worker_args(self) -> tuple[tuple, dict] | None:
         """(args, kwargs) that build this backend again in a compile worker process.
 

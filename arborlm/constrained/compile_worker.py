@@ -112,7 +112,7 @@ class CompileWorker:
         GrammarError
             The grammar is rejected, or compiling failed.
         WorkerCrashed
-            The worker died while compiling (a fresh one is started).
+            The worker died while compiling, twice (a fresh one is started).
         CompileTimeout
             ``job.deadline`` (which may grow meanwhile) passed first; the
             worker was killed and a fresh one started.
@@ -125,7 +125,12 @@ class CompileWorker:
 
         self._running = True
         try:
-            reply = self._compile_remotely(job)
+            try:
+                reply = self._compile_remotely(job)
+            except WorkerCrashed:
+                # It may have died before it read this job (killed while idle, a race with
+                # the liveness check): try once more on the fresh worker.
+                reply = self._compile_remotely(job)
         finally:
             self._running = False
         if reply[0] == "error":

@@ -166,24 +166,28 @@ class GrammarManager:
     Parameters
     ----------
     backend:
-        Compiles the grammars (its ``name`` is part of the cache key). When
-        ``backend.worker_args()`` is not None, compiles run in worker processes
-        built from those arguments; otherwise on threads (see the module docstring).
+        Compiles the grammars (its ``name`` is part of the cache key).
     compile_timeout:
         Seconds a request may wait for its grammar (``grammar_compile_timeout``).
         A compile that no request waits for any more is ended (its worker
-        process killed and restarted).
+        process killed and restarted); on a thread it is abandoned, finishing in
+        the background while a fresh thread takes its slot.
     max_workers:
         Compiles that run at once (worker processes, started on first use).
     max_cache_entries:
         Compiled grammars kept (in flight ones included); the least recently
         requested goes first.
+    use_worker_processes:
+        Compile in worker processes built from ``backend.worker_args()`` (when
+        it is not None) or on threads; None: ``backend.compile_in_worker_by_default``
+        (outlines-core: processes; xgrammar: threads, see `XGrammarBackend`).
 
     Thread-safe: `request` and `stats` may be called from any thread.
     """
 
     def __init__(self, backend: GrammarBackend, compile_timeout: float, max_workers: int = 2,
-                 max_cache_entries: int = 1024, max_recorded_times: int = 1024):
+                 max_cache_entries: int = 1024, max_recorded_times: int = 1024,
+                 use_worker_processes: bool | None = None):
         if compile_timeout <= 0:
             raise ValueError(f"compile_timeout must be > 0, got {compile_timeout}")
         if max_cache_entries < 1:
@@ -203,7 +207,9 @@ class GrammarManager:
         self._num_timeouts = 0
         self._compile_times_s: deque[float] = deque(maxlen=max_recorded_times)
         self._closed = False
-        self._slots = _make_slots(backend, max_workers)
+        if use_worker_processes is None:
+            use_worker_processes = backend.compile_in_worker_by_default
+        self._slots = _make_slots(backend, max_workers, use_worker_processes)
         self._assigned: list[CompileJob | None] = [None] * max_workers  # each slot's current job
         for i in range(max_workers):
             # A weak reference: a manager dropped without `shutdown` is collected, and its slots close.
@@ -470,9 +476,10 @@ class ThreadSlot:
             self._wakeup.set()
 
 
-def _make_slots(backend: GrammarBackend, count: int) -> list:
-    """``count`` `CompileWorker` slots when ``backend`` can compile in a worker process, else `ThreadSlot` ones."""
-    if backend.worker_args() is not None:
+def _make_slots(backend: GrammarBackend, count: int, use_worker_processes: bool) -> list:
+    """``count`` `CompileWorker` slots when asked for and ``backend`` can compile in a worker
+    process, else `ThreadSlot` ones."""
+    if use_worker_processes and backend.worker_args() is not None:
         try:
             setup = setup_message(backend)
         except WorkerSetupError as e:

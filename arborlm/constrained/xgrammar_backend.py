@@ -160,6 +160,10 @@ class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
     kinds = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
 
+    # Large compiled grammars serialize slowly (884 MB of JSON for one WashingtonPost schema),
+    # so a worker would ship them only by compiling twice; by default compile once on a thread.
+    compile_in_worker_by_default = False
+
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], *, max_threads: int | None = None):
         self.vocab_size = vocab_size
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(

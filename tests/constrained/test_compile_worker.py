@@ -251,7 +251,8 @@ def test_unpicklable_backend_arguments_fall_back_to_threads():
 
 @pytest.mark.parametrize("name", ["xgrammar", "outlines"])
 def test_real_backends_compile_in_a_worker(name, tokenizer, eos):
-    manager = GrammarManager(create_grammar_backend(name, tokenizer, 49152, [eos]), compile_timeout=120, max_workers=1)
+    manager = GrammarManager(create_grammar_backend(name, tokenizer, 49152, [eos]), compile_timeout=120, max_workers=1,
+                             use_worker_processes=True)
     try:
         assert manager.uses_worker_processes
         keys = [regex("(ab){2,3}"), GrammarKey("json_schema", '{"type": "object", "properties": {"a": {"type": "integer"}}}')]
@@ -281,3 +282,15 @@ def test_xgrammar_ships_small_grammars_and_compiles_large_ones_again(tokenizer, 
     large = GrammarKey("json_schema", '{"type": "array", "items": {"type": "string", "pattern": "[a-z]{1,40}"}}')
     assert backend.compile(large).memory_size_bytes > xgrammar_backend.MAX_SHIPPED_BYTES
     assert backend.compile_serialized(large) is None
+
+
+def test_default_compile_place_per_backend(tokenizer, eos):
+    """outlines-core ships its compiled index cheaply: worker processes. xgrammar would ship
+    large grammars only by compiling them twice: threads, one compile."""
+    expected = {"outlines": True, "xgrammar": False}
+    for name, in_worker in expected.items():
+        manager = GrammarManager(create_grammar_backend(name, tokenizer, 49152, [eos]), compile_timeout=60)
+        try:
+            assert manager.uses_worker_processes is in_worker, name
+        finally:
+            manager.shutdown()
