@@ -8,8 +8,13 @@ LCP_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 DIR="$PEERS_CACHE/llama.cpp"
 BIN="$DIR/build/bin/llama-server"
 
+# GGML_NATIVE=ON built instructions this VM's CPU reports but cannot run ("Illegal
+# instruction" at start): build for AVX2/FMA instead, which any recent x86-64 runs.
+CPU_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF)
+STAMP="$DIR/build/.arborlm-cpu-flags"
+
 install() {
-  [[ -x "$BIN" ]] && return
+  [[ -x "$BIN" && "$(cat "$STAMP" 2>/dev/null)" == "${CPU_FLAGS[*]}" ]] && return
   command -v cmake >/dev/null || skip "cmake is missing (apt-get install cmake)"
   command -v c++ >/dev/null || skip "no C++ compiler (apt-get install g++)"
   log "building llama-server from llama-cpp-python==$LCP_VERSION into $DIR"
@@ -20,11 +25,12 @@ install() {
   [[ -f "$DIR/src/vendor/llama.cpp/CMakeLists.txt" ]] || skip "no vendor/llama.cpp in the source package"
   # No network at build or run time: no curl/openssl downloads, no web UI assets.
   cmake -S "$DIR/src/vendor/llama.cpp" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
-    -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_WEBUI=OFF -DLLAMA_USE_PREBUILT_WEBUI=OFF \
+    "${CPU_FLAGS[@]}" -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_WEBUI=OFF -DLLAMA_USE_PREBUILT_WEBUI=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
     || skip "cmake configure failed"
   cmake --build "$DIR/build" --target llama-server -j "$(nproc)" || skip "build of llama-server failed"
   [[ -x "$BIN" ]] || skip "no $BIN after the build"
+  echo "${CPU_FLAGS[*]}" > "$STAMP"
 }
 
 case "${1:-}" in
