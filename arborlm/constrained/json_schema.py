@@ -176,14 +176,22 @@ from referencing import Registry
 from referencing.exceptions import Unresolvable
 
 from arborlm.constrained.base import GrammarError
+from arborlm.constrained.schema_patterns import (
+    exclude_words,
+    full_match_pattern,
+    has_lookaround,
+    is_vacuous,
+    pattern_search,
+    pattern_with_lengths,
+    strip_lookarounds,
+    xgrammar_regex_error,
+)
 
 PARAM = "json_schema"
 # Most anyOf/oneOf branches one schema may have after distributing sibling keywords.
 MAX_BRANCHES = 64
 # Most refused keywords named in one error message.
 MAX_NAMED_PROBLEMS = 8
-# Smallest bound `_pattern_with_lengths` puts on a repeat to fit maxLength (below it: refuse).
-MIN_REPEAT_CAP = 4
 # Most conjunctions of recursive references one schema may defer into new $defs entries.
 MAX_DEFERRED = 256
 # xgrammar enforces integer multipleOf with both bounds only when max - min is below this.
@@ -534,341 +542,6 @@ def _tighter(a: tuple | None, b: tuple | None, pick: Callable) -> tuple | None:
     if a is None or b is None:
         return b if a is None else a
     return pick([a, b])
-
-
-# ---------------------------------------------------------------------------
-# Regular expressions (JSON Schema patterns: ECMA-262 syntax, search semantics;
-# jsonschema evaluates them with Python's `re`; xgrammar matches them whole)
-
-
-def _regex_tokens(pattern: str) -> list[str]:
-    """Split a regex into escapes, character classes, and single characters."""
-    tokens, i, n = [], 0, len(pattern)
-    while i < n:
-        c = pattern[i]
-        if c == "\\":
-            tokens.append(pattern[i : i + 2])
-            i += 2
-        elif c == "[":
-            j = i + 1
-            if j < n and pattern[j] == "^":
-                j += 1
-            if j < n and pattern[j] == "]":
-                j += 1
-            while j < n and pattern[j] != "]":
-                j += 2 if pattern[j] == "\\" else 1
-            tokens.append(pattern[i : j + 1])
-            i = j + 1
-        else:
-            tokens.append(c)
-            i += 1
-    return tokens
-
-
-def _group_opens(tokens: list[str], k: int) -> str:
-    """The lookaround kind ('(?=', '(?!', '(?<=', '(?<!') opened at tokens[k], or ''."""
-    head = "".join(tokens[k : k + 4])
-    for kind in ("(?<=", "(?<!", "(?=", "(?!"):
-        if head.startswith(kind):
-            return kind
-    return ""
-
-
-def _has_lookaround(pattern: str) -> bool:
-    tokens = _regex_tokens(pattern)
-    return any(t == "(" and _group_opens(tokens, k) for k, t in enumerate(tokens))
-
-
-def _strip_lookarounds(pattern: str) -> str:
-    """The pattern without its lookaround groups (a wider language)."""
-    tokens, out, k = _regex_tokens(pattern), [], 0
-    while k < len(tokens):
-        if tokens[k] == "(" and _group_opens(tokens, k):
-            depth = 0
-            while k < len(tokens):
-                depth += tokens[k] == "("
-                depth -= tokens[k] == ")"
-                k += 1
-                if depth == 0:
-                    break
-            continue
-        out.append(tokens[k])
-        k += 1
-    return "".join(out)
-
-
-def _full_match_pattern(pattern: str) -> str:
-    """A pattern whose whole-string matches are exactly the original's search matches.
-
-    ``^a$`` stays; ``abc`` → ``^.*abc.*$``; ``^a|b$`` → ``^(?:a.*|.*b)$``;
-    ``(^a$)|(^b$)`` → ``^(?:(?:a)|(?:b))$``. Python's ``re.search`` gives the
-    result the same matches, except that ``.`` does not match a newline
-    (narrower), so `jsonschema` and xgrammar agree on it.
-    """
-    body = _full_match_body(_regex_tokens(pattern))
-    if body.startswith("(?:") and _closing_paren(_regex_tokens(body), 0) == len(_regex_tokens(body)) - 1:
-        body = body[3:-1] if "|" not in body else body
-    return _optional_groups_as_ranges("^" + body + "$")
-
-
-def _optional_groups_as_ranges(pattern: str) -> str:
-    """``(...)?`` written ``(...){0,1}``: xgrammar 0.2.9 mis-compiles an optional group in a
-    JSON-schema pattern (``^(a.*)?$`` accepts ``"b"``), not the equivalent range."""
-    tokens = _regex_tokens(pattern)
-    return "".join("{0,1}" if t == "?" and k > 0 and tokens[k - 1] == ")" else t for k, t in enumerate(tokens))
-
-
-def _full_match_body(tokens: list[str]) -> str:
-    """The unanchored body of `_full_match_pattern` for a token list."""
-    alternatives, current, depth = [], [], 0
-    for t in tokens:
-        depth += t == "("
-        depth -= t == ")"
-        if t == "|" and depth == 0:
-            alternatives.append(current)
-            current = []
-        else:
-            current.append(t)
-    alternatives.append(current)
-    parts = []
-    for alt in alternatives:
-        if alt and alt[0] == "(" and _closing_paren(alt, 0) == len(alt) - 1 and not _group_opens(alt, 0):
-            inner = alt[1:-1]
-            if inner[:2] == ["?", ":"]:
-                inner = inner[2:]
-            elif inner[:1] == ["?"]:  # a named group or inline flags: leave it whole
-                inner = None
-            if inner is not None:
-                parts.append("(?:" + _full_match_body(inner) + ")")
-                continue
-        starts = bool(alt) and alt[0] == "^"
-        ends = len(alt) > starts and alt[-1] == "$"
-        core_tokens = alt[int(starts) : len(alt) - int(ends)]
-        if not starts and core_tokens[:2] == [".", "*"]:
-            starts = True  # already open at the front
-        if not ends and core_tokens[-2:] == [".", "*"]:
-            ends = True
-        parts.append(("" if starts else ".*") + "".join(core_tokens) + ("" if ends else ".*"))
-    return parts[0] if len(parts) == 1 else "(?:" + "|".join(parts) + ")"
-
-
-def _closing_paren(tokens: list[str], k: int) -> int:
-    """Index of the ")" that closes the "(" at tokens[k] (-1 when unbalanced)."""
-    depth = 0
-    for j in range(k, len(tokens)):
-        depth += tokens[j] == "("
-        depth -= tokens[j] == ")"
-        if depth == 0:
-            return j
-    return -1
-
-
-_ONE_ATOM = re.compile(
-    r"\^(\(?)(\[(?:\\.|[^\]\\])+\]|\\.|\.|[^\\^$.|?*+()\[\]{}])(\)?)"
-    r"(\*|\+|\{(\d+)(?:(,)(\d*))?\})\$"
-)
-
-
-def _fold_lengths(pattern: str, min_length: int, max_length: int | None) -> str | None:
-    """``^ATOM{m,n}$`` with the length bounds folded in, or None if the pattern is not one atom.
-
-    A pattern that is one atom repeated (``^[a-z0-9_]+$``) matches strings of
-    one character per repetition, so lengths become its quantifier's bounds.
-    Returns "" when no length fits.
-    """
-    m = _ONE_ATOM.fullmatch(pattern)
-    if m is None or bool(m.group(1)) != bool(m.group(3)):
-        return None
-    quant = m.group(4)
-    if quant == "*":
-        low, high = 0, None
-    elif quant == "+":
-        low, high = 1, None
-    else:
-        low = int(m.group(5))
-        high = (int(m.group(7)) if m.group(7) else None) if m.group(6) else low
-    low = max(low, min_length)
-    if max_length is not None:
-        high = max_length if high is None else min(high, max_length)
-    if high is not None and low > high:
-        return ""
-    return f"^{m.group(2)}{{{low},{'' if high is None else high}}}$"
-
-
-def _is_vacuous(pattern: str) -> bool:
-    """True when every string contains a match: the empty string matches, and nothing but
-    ``^`` asserts anything about the text around a match (an empty match at 0 always exists)."""
-    tokens = _regex_tokens(pattern)
-    if any(t == "$" or t in ("\\Z", "\\b", "\\B", "\\z") for t in tokens):
-        return False
-    return not _has_lookaround(pattern) and _search(pattern, "")
-
-
-def _regex_width(pattern: str) -> tuple[int, int | None] | None:
-    """(min, max) length of the strings a full-match pattern matches (max None: unbounded)."""
-    parser = getattr(re, "_parser", None)  # CPython's regex parser (sre_parse before 3.11)
-    if parser is None:  # pragma: no cover
-        return None
-    try:
-        low, high = parser.parse(pattern).getwidth()
-    except Exception:  # pragma: no cover - the pattern compiled already
-        return None
-    return low, (None if high >= 2**31 else high)
-
-
-def _cap_repeats(pattern: str, cap: int) -> str | None:
-    """The pattern with every unbounded repeat (``*``, ``+``, ``{n,}``) bounded by ``cap``."""
-    tokens, out, k = _regex_tokens(pattern), [], 0
-    while k < len(tokens):
-        t = tokens[k]
-        if t in ("*", "+"):
-            out.append(f"{{{0 if t == '*' else 1},{cap}}}")
-            k += 1
-            if k < len(tokens) and tokens[k] == "+":
-                return None  # possessive: a different language
-            if k < len(tokens) and tokens[k] == "?":
-                k += 1
-            continue
-        if t == "{":
-            m = re.match(r"\{(\d+),\}", "".join(tokens[k : k + 8]))
-            if m:
-                low = int(m.group(1))
-                out.append(f"{{{low},{max(low, cap)}}}")
-                k += len(m.group(0))
-                continue
-        out.append(t)
-        k += 1
-    return "".join(out)
-
-
-def _pattern_with_lengths(pattern: str, min_length: int, max_length: int | None) -> str | None:
-    """One full-match pattern for ``pattern`` and the length bounds ("" when none fits).
-
-    Lengths the pattern already implies are dropped; a pattern that is one atom
-    repeated takes them as its quantifier's bounds (exact); otherwise a
-    ``maxLength`` bounds every unbounded repeat by the largest cap (at least
-    `MIN_REPEAT_CAP`) that keeps the longest match within it (narrower: some
-    long strings the schema allows are not generated). None when no rewrite
-    works (a minLength the pattern does not imply, a cap too small).
-    """
-    width = _regex_width(pattern)
-    if width is None:
-        return None
-    low, high = width
-    fits_max = max_length is None or (high is not None and high <= max_length)
-    if low >= min_length and fits_max:
-        return pattern
-    folded = _fold_lengths(pattern, min_length, max_length)
-    if folded is not None or low < min_length:
-        return folded
-    if max_length < low:
-        return ""
-    best = None
-    lo_cap, hi_cap = MIN_REPEAT_CAP, max(MIN_REPEAT_CAP, max_length)
-    while lo_cap <= hi_cap:
-        cap = (lo_cap + hi_cap) // 2
-        capped = _cap_repeats(pattern, cap)
-        capped_width = None if capped is None else _regex_width(capped)
-        if capped_width is None or capped_width[1] is None:
-            return None
-        if capped_width[1] <= max_length:
-            best, lo_cap = capped, cap + 1
-        else:
-            hi_cap = cap - 1
-    return best
-
-
-def _exclude_words(pattern: str, words: list[str]) -> str | None:
-    """A full-match pattern for the strings ``pattern`` matches, except ``words``.
-
-    For patterns of three shapes (after `_full_match_pattern`): any string
-    (``^.*$``), a literal prefix then anything (``^x_.*$``), or one ASCII
-    character class repeated (``^[a-zA-Z0-9_]*$``, ``^([a-z])+$``); None for
-    others. The result spells out the complement of the words as a trie:
-    strings that leave the trie early, or end where no word ends.
-    """
-    full = _full_match_pattern(pattern)
-    prefix, alphabet, minimum = "", None, 0
-    literal = re.fullmatch(r"\^((?:[A-Za-z0-9_ :/@-]|\\[.\-/])*)\.\*\$", full)
-    if literal is not None:
-        prefix = re.sub(r"\\(.)", r"\1", literal.group(1))
-    else:
-        m = re.fullmatch(r"\^(\(?)(\[(?:\\.|[^\]\\])+\])(\)?)([*+])\$", full)
-        if m is None or bool(m.group(1)) != bool(m.group(3)) or not _ascii_class(m.group(2)):
-            return None
-        alphabet = [chr(c) for c in range(128) if re.fullmatch(m.group(2), chr(c))]
-        minimum = 1 if m.group(4) == "+" else 0
-    words_set = {w[len(prefix) :] for w in words if w.startswith(prefix)}
-    if alphabet is not None:
-        words_set = {w for w in words_set if all(c in alphabet for c in w)}
-    if minimum:
-        words_set.add("")
-    any_char = "." if alphabet is None else _char_class(alphabet)
-
-    def others(firsts: list[str]) -> str:
-        if alphabet is None:
-            return _char_class(firsts, negate=True)
-        rest = [c for c in alphabet if c not in firsts]
-        return _char_class(rest) if rest else ""
-
-    def complement(ws: set[str]) -> str:
-        if not ws:
-            return any_char + "*"
-        firsts = sorted({w[0] for w in ws if w})
-        alternatives = []
-        leave = others(firsts)
-        if leave:
-            alternatives.append(leave + any_char + "*")
-        for c in firsts:
-            alternatives.append(re.escape(c) + complement({w[1:] for w in ws if w and w[0] == c}))
-        body = "(?:" + "|".join(alternatives) + ")"
-        return body if "" in ws else body + "?"
-
-    return _optional_groups_as_ranges("^" + re.escape(prefix) + complement(words_set) + "$")
-
-
-def _ascii_class(cls: str) -> bool:
-    """True for a non-negated character class of ASCII characters without class escapes."""
-    body = cls[1:-1]
-    return not body.startswith("^") and body.isascii() and not re.search(r"\\[A-Za-z]", body)
-
-
-def _char_class(chars: list[str], negate: bool = False) -> str:
-    """A character class for ``chars`` (sorted), runs written as ranges."""
-    codes = sorted({ord(c) for c in chars})
-    runs: list[list[int]] = []
-    for code in codes:
-        if runs and code == runs[-1][1] + 1:
-            runs[-1][1] = code
-        else:
-            runs.append([code, code])
-
-    def one(code: int) -> str:
-        c = chr(code)
-        return "\\" + c if c in "\\]^-[" else c
-
-    body = "".join(one(a) if a == b else one(a) + ("" if b == a + 1 else "-") + one(b) for a, b in runs)
-    return "[^" + body + "\\n]" if negate else "[" + body + "]"
-
-
-@functools.lru_cache(maxsize=1024)
-def _search(pattern: str, text: str) -> bool:
-    return re.search(pattern, text) is not None
-
-
-@functools.lru_cache(maxsize=1024)
-def _xgrammar_regex_error(pattern: str) -> str | None:
-    """Why xgrammar cannot compile ``pattern`` (None when it can, or without xgrammar)."""
-    try:
-        import xgrammar
-    except ImportError:  # pragma: no cover - xgrammar is a dependency
-        return None
-    try:
-        xgrammar.Grammar.from_regex(pattern)
-    except Exception as e:  # xgrammar raises RuntimeError with a C++ log prefix
-        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return re.sub(r"^\[[\d:]+\] \S+?:\d+: ", "", message)
-    return None
 
 
 # ---------------------------------------------------------------------------
@@ -1392,7 +1065,7 @@ class _Normaliser:
         """The schema ``node`` applies to the value of property ``name``."""
         if name in node.get("properties", {}):
             return node["properties"][name]
-        matching = [s for p, s in node.get("patternProperties", {}).items() if _search(p, name)]
+        matching = [s for p, s in node.get("patternProperties", {}).items() if pattern_search(p, name)]
         if matching:
             return self.merge(matching, path)
         return node.get("additionalProperties", {})
@@ -1497,9 +1170,9 @@ class _Normaliser:
         if pattern is not None:
             pattern = self._usable_pattern(pattern, path)
         if pattern is not None:
-            pattern = _full_match_pattern(pattern)
+            pattern = full_match_pattern(pattern)
             if min_length > 0 or max_length is not None:
-                combined = _pattern_with_lengths(pattern, min_length, max_length)
+                combined = pattern_with_lengths(pattern, min_length, max_length)
                 if combined == "":
                     return False
                 if combined is None:
@@ -1519,15 +1192,15 @@ class _Normaliser:
 
     def _usable_pattern(self, pattern: str, path: str) -> str | None:
         """The pattern xgrammar can enforce; None when it says nothing or has to be dropped."""
-        if _is_vacuous(pattern):
+        if is_vacuous(pattern):
             return None
         if re.match(r"\(\?[a-zA-Z]+\)", pattern):
             self.problem("pattern", path, f"inline flags in {pattern!r} are not ECMA-262 syntax", True)
             return None
-        if _has_lookaround(pattern):
+        if has_lookaround(pattern):
             self.problem("pattern", path, f"lookaround in {pattern!r} is not supported", True)
-            pattern = _strip_lookarounds(pattern)
-        error = _xgrammar_regex_error(_full_match_pattern(pattern))
+            pattern = strip_lookarounds(pattern)
+        error = xgrammar_regex_error(full_match_pattern(pattern))
         if error is not None:
             self.problem("pattern", path, f"{pattern!r}: {error}", True)
             return None
@@ -1567,7 +1240,7 @@ class _Normaliser:
             if name not in names:
                 names[name] = self.governing(node, name, path)
         for name in node.get("properties", {}):
-            matching = [s for p, s in patterns.items() if _search(p, name)]
+            matching = [s for p, s in patterns.items() if pattern_search(p, name)]
             if matching:
                 names[name] = self.merge([names[name], *matching], path)
         property_names = self.lower(node.get("propertyNames", {}), f"{path}/propertyNames")
@@ -1645,37 +1318,37 @@ class _Normaliser:
         patterns (full-match, as xgrammar reads them).
         """
         if patterns and additional not in (None, False):
-            if any(_full_match_pattern(p) == "^.*$" or _is_vacuous(p) for p in patterns):
+            if any(full_match_pattern(p) == "^.*$" or is_vacuous(p) for p in patterns):
                 additional = None  # every key matches a pattern: none is left for it
             else:
                 self.problem("additionalProperties", path, "beside patternProperties, xgrammar may give "
                              "a key that matches a pattern the additionalProperties schema", True)
-        open_names = [n for n in forbidden if not any(_search(p, n) for p in patterns)]
+        open_names = [n for n in forbidden if not any(pattern_search(p, n) for p in patterns)]
         if open_names and additional is None and (listed or patterns):
             additional = False  # xgrammar's strict mode admits no unlisted name there anyway
         elif open_names and additional is None:
-            patterns = {_exclude_words(".*", open_names): {}}  # any other name stays allowed
+            patterns = {exclude_words(".*", open_names): {}}  # any other name stays allowed
             additional = False
         elif open_names and additional is not False:
             if patterns:
                 self.problem("properties", path, f"properties {open_names} must be absent, but "
                                                  "additionalProperties admits them", True)
             else:  # the additional keys become a pattern that leaves out the forbidden (and listed) names
-                patterns = {_exclude_words(".*", open_names + list(listed)): additional}
+                patterns = {exclude_words(".*", open_names + list(listed)): additional}
                 additional = False
         by_pattern: dict[str, list[str]] = {}
         for p, schema in patterns.items():
-            clash = [n for n, s in listed.items() if _search(p, n) and _canon(s) != _canon(schema)]
-            by_pattern[p] = clash + [n for n in forbidden if _search(p, n)]
+            clash = [n for n, s in listed.items() if pattern_search(p, n) and _canon(s) != _canon(schema)]
+            by_pattern[p] = clash + [n for n in forbidden if pattern_search(p, n)]
         if any(n in forbidden for ns in by_pattern.values() for n in ns) and additional is None:
             additional = False  # the excluded names must not fall to an open additionalProperties
         kept = {}
         for p, schema in patterns.items():
             usable = self._usable_pattern(p, f"{path}/patternProperties")
             usable = ".*" if usable is None else usable
-            full = _full_match_pattern(usable)
+            full = full_match_pattern(usable)
             if by_pattern[p]:
-                narrowed = _exclude_words(full, by_pattern[p])
+                narrowed = exclude_words(full, by_pattern[p])
                 if narrowed is None:
                     self.problem("patternProperties", f"{path}/patternProperties/{_escape(p)}",
                                  f"it matches properties {by_pattern[p]} that must keep their own schema "
@@ -1699,7 +1372,7 @@ class _Normaliser:
         if not listed or additional is None:
             return additional, patterns, property_names
         own = {k: v for k, v in property_names.items() if k != "type"}
-        narrowed = _exclude_words(own["pattern"], list(listed)) if set(own) == {"pattern"} else None
+        narrowed = exclude_words(own["pattern"], list(listed)) if set(own) == {"pattern"} else None
         if narrowed is None:
             self.problem("propertyNames", path, "beside properties and additionalProperties, xgrammar would let "
                                                 "a listed property take the additionalProperties schema", True)
