@@ -125,6 +125,37 @@ async def generate_batch(manager: TokenizerManager, reqs: list[GenerateReqInput]
         raise InvalidRequestError("request ids in one batch must be distinct", param="rid")
     manager.check_capacity(sum(isinstance(r, TokenizedGenerateReqInput) for r in built))
 
+    return await run_built_batch(manager, built)
+
+
+def rejected_result(req: TokenizedGenerateReqInput, error: InvalidRequestError) -> dict[str, Any]:
+    """The result of a batch item the scheduler refused: no output, the reason in `finish_reason`."""
+    return refused_result(req.rid, len(req.input_ids), error)
+
+
+def refused_result(rid: str, prompt_tokens: int, error: InvalidRequestError) -> dict[str, Any]:
+    """The result of a batch item whose grammar was refused: no output, the reason in `finish_reason`."""
+    reason = {"type": "abort", "message": error.message, "param": error.param}
+    meta = {"id": rid, "prompt_tokens": prompt_tokens, "completion_tokens": 0, "cached_tokens": 0,
+            "finish_reason": reason, "matched_stop": None}
+    return {"text": "", "output_ids": [], "meta_info": meta}
+
+
+async def run_built_batch(
+    manager: TokenizerManager, built: list[TokenizedGenerateReqInput | dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Run already-built requests together; one final result dict each, in order.
+
+    An item that is already a result dict (refused before queueing) is returned as is.
+    A request refused after queueing (a grammar that did not compile) reports it in
+    its own result when the batch has more than one item, and raises when alone.
+
+    Raises
+    ------
+    InvalidRequestError: a single request refused after queueing.
+    EngineDeadError: the scheduler process is gone.
+    """
+
     async def one(req: TokenizedGenerateReqInput | dict[str, Any]) -> dict[str, Any]:
         if not isinstance(req, TokenizedGenerateReqInput):
             return req  # refused before queueing
@@ -140,16 +171,3 @@ async def generate_batch(manager: TokenizerManager, reqs: list[GenerateReqInput]
         raise EngineDeadError("no result")
 
     return list(await asyncio.gather(*(one(r) for r in built)))
-
-
-def rejected_result(req: TokenizedGenerateReqInput, error: InvalidRequestError) -> dict[str, Any]:
-    """The result of a batch item the scheduler refused: no output, the reason in `finish_reason`."""
-    return refused_result(req.rid, len(req.input_ids), error)
-
-
-def refused_result(rid: str, prompt_tokens: int, error: InvalidRequestError) -> dict[str, Any]:
-    """The result of a batch item whose grammar was refused: no output, the reason in `finish_reason`."""
-    reason = {"type": "abort", "message": error.message, "param": error.param}
-    meta = {"id": rid, "prompt_tokens": prompt_tokens, "completion_tokens": 0, "cached_tokens": 0,
-            "finish_reason": reason, "matched_stop": None}
-    return {"text": "", "output_ids": [], "meta_info": meta}

@@ -19,10 +19,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from arborlm import __version__
-from arborlm.errors import EngineDeadError, InvalidRequestError
 from arborlm.frontend_lang.chat_template import ChatTemplate
 from arborlm.runtime.io_struct import TokenizedGenerateReqInput
-from arborlm.runtime.request_batch import expand_requests, generate_batch, rejected_result
+from arborlm.runtime.request_batch import (
+    expand_requests,
+    generate_batch,
+    run_built_batch,
+)
 from arborlm.runtime.server.errors import APIError, bad_request
 from arborlm.runtime.server.openai_common import TokenText, check_possible, parse_body
 from arborlm.runtime.server.protocol import AbortRequest, GenerateRequest
@@ -65,7 +68,7 @@ async def generate(request: Request) -> Response:
         merged = merge_streams([manager.generate(b) for b in built])
         chunks = await cancel_on_disconnect(request, primed(merged))
         return sse_response(_stream(chunks, is_batch, token_text))
-    results = await cancel_on_disconnect(request, _run_batch(manager, built))
+    results = await cancel_on_disconnect(request, run_built_batch(manager, built))
     results = [_with_token_text(r, token_text) for r in results]
     return JSONResponse(results if is_batch else results[0])
 
@@ -109,21 +112,6 @@ def _check_context(prompt_len: int, max_new_tokens: int, context_len: int) -> No
         )
 
 
-async def _run_batch(manager, built: list[TokenizedGenerateReqInput]) -> list[dict[str, Any]]:
-    """Run built requests together, as `generate_batch` runs unbuilt ones: a single request's late
-    refusal (a grammar that did not compile) raises; in a batch that item reports it alone."""
-
-    async def one(req: TokenizedGenerateReqInput) -> dict[str, Any]:
-        try:
-            async for result in manager.generate(req):
-                return result
-        except InvalidRequestError as e:
-            if len(built) == 1:
-                raise
-            return rejected_result(req, e)
-        raise EngineDeadError("no result")
-
-    return list(await asyncio.gather(*(one(r) for r in built)))
 
 
 def _assign_rids(reqs: list[GenerateReqInput], rid: str | list[str] | None) -> None:
