@@ -59,6 +59,9 @@ class SchedulerOutputProcessor:
         self._stop_decoders: dict[str, RequestDecoder] = {}
         # Per-step mask fill time per constrained request, seconds (the benchmark reads it).
         self.mask_fill_seconds: deque[float] = deque(maxlen=4096)
+        # The bitmask rows are filled in, kept between steps: allocating (B, V / 32) int32 anew
+        # each step (page faults for a large batch) cost about as much as filling it.
+        self._vocab_mask: torch.Tensor | None = None
 
     def sample(self, reqs: list[Req], logits: torch.Tensor) -> Sampled:
         """Pick one token per request. `logits`: (len(reqs), vocab) float32."""
@@ -98,18 +101,36 @@ class SchedulerOutputProcessor:
     def apply_grammar_masks(self, reqs: list[Req], logits: torch.Tensor) -> None:
         """Mask, in place, every token the grammar of each constrained request forbids.
 
-        logits: (len(reqs), V) float32. One (len(reqs), ceil(V / 32)) int32
-        bitmask is filled row by row, then applied in one call.
+        logits: (len(reqs), V) float32. The first len(reqs) rows of one
+        (batch, ceil(V / 32)) int32 bitmask, kept between steps, are reset to
+        "all allowed" and filled row by row, then applied in one call.
         """
         rows = [i for i, req in enumerate(reqs) if req.grammar is not None]
         if not rows:
             return
         start = time.perf_counter()
-        mask = allocate_vocab_mask(len(reqs), logits.shape[-1])
+        mask = self._reset_vocab_mask(len(reqs), logits.shape[-1])
         for i in rows:
             reqs[i].grammar.fill_vocab_mask(mask, i)
         self.mask_fill_seconds.append((time.perf_counter() - start) / len(rows))
         apply_vocab_mask(logits, mask, rows)
+
+    def _reset_vocab_mask(self, batch_size: int, vocab_size: int) -> torch.Tensor:
+        """The first ``batch_size`` rows of the kept bitmask, every bit set (grown when too small).
+
+        The reset matters: a matcher may write only the words it forbids, and
+        a bit left cleared by last step's request in this row must not leak.
+        The reused CPU tensor is pageable, so a ``non_blocking`` copy to the
+        GPU in `apply_vocab_mask` is staged before it returns and cannot race
+        with the next step's reset.
+        """
+        mask = self._vocab_mask
+        if mask is None or mask.shape[0] < batch_size or mask.shape[1] != (vocab_size + 31) // 32:
+            self._vocab_mask = allocate_vocab_mask(batch_size, vocab_size)
+            return self._vocab_mask
+        mask = mask[:batch_size]
+        mask.fill_(-1)
+        return mask
 
     def _eos_ids(self, req: Req) -> list[int]:
         # A grammar decides itself when EOS may come; min_new_tokens must not mask the only legal token.
