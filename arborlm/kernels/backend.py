@@ -105,10 +105,11 @@ class TorchAttentionBackend(AttentionBackend):
                 forward_batch.token_to_kv_pool.num_kv_heads,
             )
         else:
-            forward_batch.attn_metadata = torch_native.build_extend_metadata(
+            forward_batch.attn_metadata = torch_native.build_extend_step_metadata(
                 req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
                 forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens,
-                max(forward_batch.extend_seq_lens_cpu), max_len,
+                forward_batch.extend_seq_lens_cpu, forward_batch.seq_lens_cpu,
+                forward_batch.token_to_kv_pool.num_kv_heads,
             )
 
     def forward(self, q, k, v, layer_id, forward_batch, scale, sliding_window=None, logit_cap=0.0):
@@ -121,9 +122,12 @@ class TorchAttentionBackend(AttentionBackend):
             return torch_native.decode_attention(
                 q, k_buffer, v_buffer, forward_batch.attn_metadata, scale, sliding_window, logit_cap
             )
-        return torch_native.extend_attention(
-            q, k_buffer, v_buffer, forward_batch.attn_metadata, scale, sliding_window, logit_cap
+        attend = (
+            torch_native.mixed_attention
+            if isinstance(forward_batch.attn_metadata, torch_native.MixedMetadata)
+            else torch_native.extend_attention
         )
+        return attend(q, k_buffer, v_buffer, forward_batch.attn_metadata, scale, sliding_window, logit_cap)
 
 
 @dataclass

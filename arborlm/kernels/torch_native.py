@@ -14,6 +14,9 @@ times as it can:
   rows weighted by the probabilities straight from the pool.
 - extend: K/V are gathered into a padded block and attended with
   `scaled_dot_product_attention` under a precomputed boolean mask.
+- mixed extend (decode tokens riding along a prefill, or a jump-forward step):
+  the one-token requests take the decode path and only the others are padded,
+  so a long prompt does not pad every decoding request to its length.
 
 Masking follows SGLang / Hugging Face: a query at position `p` sees keys at
 positions `<= p`, and with `sliding_window = w` only those `> p - w`.
@@ -146,6 +149,93 @@ def build_extend_metadata(
     slots = req_to_token[req_pool_indices, :max_len].to(torch.int64).masked_fill_(~key_valid, 0)
     q_pos = extend_prefix_lens[:, None] + torch.arange(max_new, device=device)
     return ExtendMetadata(batch, max_new, max_len, token_pos, slots.view(-1), key_valid, q_pos)
+
+
+@dataclass
+class MixedMetadata:
+    """An EXTEND step that holds both one-token requests and longer ones.
+
+    The one-token requests (decode tokens riding along a prefill) attend through
+    `decode_attention`, the others through `extend_attention`; padding the one-token
+    requests to the longest chunk would cost `max_new` times their attention.
+
+    Attributes
+    ----------
+    single_rows: (n1,) int64 rows of the step's q (num_tokens, ...) of the one-token requests.
+    multi_rows: (n2,) int64 rows of the other requests' tokens, in order.
+    decode: `DecodeMetadata` over the one-token requests.
+    extend: `ExtendMetadata` over the others.
+    """
+
+    single_rows: torch.Tensor
+    multi_rows: torch.Tensor
+    decode: DecodeMetadata
+    extend: ExtendMetadata
+
+
+def build_extend_step_metadata(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extend_prefix_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    extend_seq_lens_cpu: list[int],
+    seq_lens_cpu: list[int],
+    num_kv_heads: int,
+) -> ExtendMetadata | MixedMetadata:
+    """Metadata of an EXTEND step: `MixedMetadata` when it mixes one-token and longer requests.
+
+    Shapes as in `build_extend_metadata`; `*_cpu` are the same lengths as Python lists.
+    """
+    single = [i for i, n in enumerate(extend_seq_lens_cpu) if n == 1]
+    multi = [i for i, n in enumerate(extend_seq_lens_cpu) if n != 1]
+    if not single or not multi:
+        return build_extend_metadata(
+            req_to_token, req_pool_indices, seq_lens, extend_prefix_lens, extend_seq_lens,
+            max(extend_seq_lens_cpu), max(seq_lens_cpu),
+        )
+    device = seq_lens.device
+    starts, rows_of = 0, []
+    for n in extend_seq_lens_cpu:
+        rows_of.append(range(starts, starts + n))
+        starts += n
+    single_rows = torch.tensor([rows_of[i].start for i in single], dtype=torch.int64, device=device)
+    multi_rows = torch.tensor([r for i in multi for r in rows_of[i]], dtype=torch.int64, device=device)
+    s_idx = torch.tensor(single, dtype=torch.int64, device=device)
+    m_idx = torch.tensor(multi, dtype=torch.int64, device=device)
+    decode = build_decode_metadata(
+        req_to_token, req_pool_indices[s_idx], seq_lens[s_idx], max(seq_lens_cpu[i] for i in single), num_kv_heads
+    )
+    extend = build_extend_metadata(
+        req_to_token, req_pool_indices[m_idx], seq_lens[m_idx], extend_prefix_lens[m_idx], extend_seq_lens[m_idx],
+        max(extend_seq_lens_cpu[i] for i in multi), max(seq_lens_cpu[i] for i in multi),
+    )
+    return MixedMetadata(single_rows, multi_rows, decode, extend)
+
+
+def mixed_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    metadata: MixedMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    logit_cap: float = 0.0,
+) -> torch.Tensor:
+    """`extend_attention` of a step with both one-token and longer requests (see `MixedMetadata`).
+
+    q: (num_tokens, num_q_heads, head_dim); returns the same shape in q's dtype.
+    """
+    out = torch.empty_like(q)
+    single = decode_attention(
+        q.index_select(0, metadata.single_rows), k_buffer, v_buffer, metadata.decode, scale, sliding_window, logit_cap
+    )
+    multi = extend_attention(
+        q.index_select(0, metadata.multi_rows), k_buffer, v_buffer, metadata.extend, scale, sliding_window, logit_cap
+    )
+    out.index_copy_(0, metadata.single_rows, single)
+    out.index_copy_(0, metadata.multi_rows, multi)
+    return out
 
 
 def decode_attention(

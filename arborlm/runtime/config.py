@@ -117,6 +117,11 @@ class SchedulerConfig:
         default=2048, metadata={"help": "prompts longer than this are prefilled in chunks; -1 disables"}
     )
     schedule_policy: str = field(default="lpm", metadata={"help": "lpm | fcfs | dfs-weight"})
+    enable_mixed_chunk: bool = field(
+        default=True,
+        metadata={"help": "running requests decode their next token inside each prefill step "
+                          "instead of waiting for it (SGLang's --enable-mixed-chunk)"},
+    )
     init_new_token_ratio: float = field(
         default=0.7, metadata={"help": "initial share of max_new_tokens reserved at admission"}
     )

@@ -98,6 +98,7 @@ class Scheduler:
             "num_retractions": 0,
             "num_decode_steps": 0,
             "num_extend_steps": 0,
+            "num_mixed_steps": 0,
             "num_grammar_reqs": 0,
             "num_grammar_failures": 0,
             "num_jump_forward_tokens": 0,
@@ -236,6 +237,7 @@ class Scheduler:
             return ScheduleBatch(reqs, ForwardMode.EXTEND)
         batch = self.get_new_batch_prefill()
         if batch is not None:
+            self.mix_running_into(batch)
             return batch
         if not self.running:
             return None
@@ -281,6 +283,24 @@ class Scheduler:
         if not adder.can_run_list:
             return None
         return ScheduleBatch(adder.can_run_list, ForwardMode.EXTEND)
+
+    def mix_running_into(self, batch: ScheduleBatch) -> None:
+        """Let every running request decode its next token inside this prefill step.
+
+        Each joins as a one-token extend, so a prefill no longer stalls the running
+        batch for a step, and the step's weights are read once for both (SGLang's
+        mixed chunk). Skipped when disabled or when the pool cannot hold their tokens
+        beside the prefill's without retracting (the next decode step retracts then).
+        """
+        if not self.server_args.scheduler.enable_mixed_chunk or not self.running:
+            return
+        need = sum(r.extend_input_len for r in batch.reqs) + len(self.running)
+        if self.allocator.available_size() + self.tree_cache.evictable_size() < need:
+            return
+        for req in self.running:
+            req.extend_input_len = 1
+        batch.reqs = self.running + batch.reqs
+        self.stats["num_mixed_steps"] += 1
 
     def _admit(self, req: Req, adder: PrefillAdder, match: MatchResult | None) -> bool:
         """Lock the cached prefix (`match`, or a fresh one) and try to add `req`."""
@@ -380,10 +400,12 @@ class Scheduler:
         is_extend = batch.forward_mode.is_extend()
         for req in batch.reqs:
             req.kv_len += req.extend_input_len if is_extend else 1
+        running = set(map(id, self.running))
         if is_extend:
             self.output_processor.collect_prompt_logprobs(batch.reqs, logits_output, forward_batch)
             for req in batch.reqs:
-                self.cache_prefilled_prefix(req)
+                if id(req) not in running:  # a decode token riding along adds nothing to share
+                    self.cache_prefilled_prefix(req)
         outputs = []
         # A chunked request with prompt left samples nothing; nor does a prefill-only one.
         rows = []
@@ -397,7 +419,6 @@ class Scheduler:
                 continue
             rows.append(i)
         sampling_reqs = [batch.reqs[i] for i in rows]
-        running = set(map(id, self.running))
         logits = logits_output.next_token_logits
         sampled = self.output_processor.sample(sampling_reqs, logits if len(rows) == len(batch.reqs) else logits[rows])
         for req, token_id, logprob_info in zip(sampling_reqs, sampled.token_ids, sampled.logprob_infos):

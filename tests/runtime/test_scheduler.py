@@ -296,3 +296,34 @@ def test_chunked_prefill_under_kv_pressure_never_aborts(make_scheduler, tiny_hf_
     for i, p in enumerate(ps):
         assert result.finish[f"r{i}"]["type"] == "length", result.finish[f"r{i}"]
         assert result.tokens[f"r{i}"] == reference_greedy(tiny_hf_model, p, 30)
+
+
+@pytest.mark.parametrize("chunk", [-1, 16])
+def test_mixed_chunk_decodes_running_requests_inside_prefill_steps(make_scheduler, tiny_hf_model, chunk):
+    """Requests arriving while others decode: the running ones decode inside the prefill
+    steps (no step where they wait), tokens still equal greedy HF, and pools drain."""
+    ps = prompts(4, 20, 45, seed=11)
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(ps))}
+    for enable in (True, False):
+        sched = make_scheduler(enable_mixed_chunk=enable, chunked_prefill_size=chunk)
+        sched.add_request(make_req("r0", ps[0], max_new_tokens=30, ignore_eos=True))
+        for step in range(40):
+            if step in (3, 6, 9):
+                late = step // 3
+                sched.add_request(make_req(f"r{late}", ps[late], max_new_tokens=12, ignore_eos=True))
+            running = {r.rid: len(r.output_ids) for r in sched.running}
+            for out in sched.step():
+                tokens[out.rid] += out.new_token_ids
+            sched.check_invariants()
+            # Every request running before the step got exactly its next token in it, prefill or not.
+            after = {r.rid: len(r.output_ids) for r in sched.alive_reqs() + sched.running}
+            for rid, n in running.items():
+                if enable and rid in after:
+                    assert after[rid] == n + 1, f"{rid} waited in step {step}"
+            if not sched.has_work():
+                break
+        assert_idle_pools(sched)
+        for i, p in enumerate(ps):
+            assert tokens[f"r{i}"] == reference_greedy(tiny_hf_model, p, 30 if i == 0 else 12)
+        assert (sched.stats["num_mixed_steps"] > 0) == enable
+        tokens = {rid: [] for rid in tokens}
