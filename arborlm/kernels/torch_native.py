@@ -52,6 +52,14 @@ class DecodeMetadata:
     seq_lens: torch.Tensor
     _bias: dict = field(default_factory=dict)
     _value_rows: dict = field(default_factory=dict)
+    _eye: dict = field(default_factory=dict)
+
+    def head_selector(self, dtype: torch.dtype) -> torch.Tensor:
+        """(num_kv_heads, 1, num_kv_heads, 1) identity in `dtype`, built once per step, not per layer."""
+        if dtype not in self._eye:
+            eye = torch.eye(self.num_kv_heads, dtype=dtype, device=self.slots.device)
+            self._eye[dtype] = eye[:, None, :, None]
+        return self._eye[dtype]
 
     def value_rows(self, num_q_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows of a layer's `v_buffer.view(-1, head_dim)` read by each (request, q head).
@@ -268,7 +276,7 @@ def decode_attention(
     # Block-diagonal q: head h keeps only the columns of its KV head h // group, so one
     # bmm against all KV heads of a request gives every head's scores (num_kv_heads times
     # the flops of per-head bmms, but one well-shaped GEMM per request and no K copy per head).
-    eye = torch.eye(num_kv_heads, dtype=k.dtype, device=k.device)[:, None, :, None]  # (Hkv, 1, Hkv, 1)
+    eye = metadata.head_selector(k.dtype)  # (Hkv, 1, Hkv, 1)
     qe = (q.reshape(batch, num_kv_heads, group, 1, head_dim).to(k.dtype) * eye).view(batch, num_q_heads, row)
     scores = torch.bmm(qe, k.transpose(1, 2))  # (B, Hq, L) in k's dtype
     bias = metadata.key_bias(sliding_window)  # (B, 1, L)

@@ -117,6 +117,9 @@ class RotaryEmbedding(nn.Module):
 
     `cos_sin(positions)` gives two `(num_tokens, 1, head_dim)` tensors in the model
     dtype; `apply` rotates q and k together (Hugging Face's `rotate_half` layout).
+    The sin table carries `rotate_half`'s sign (its first half negated), so the
+    rotation is a roll and two products instead of slices, a negation and a concat:
+    four ops per layer instead of seven, with bit-identical results (negation is exact).
     """
 
     def __init__(self, config, head_dim: int, max_positions: int, dtype, device):
@@ -125,17 +128,21 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)  # (max_positions, head_dim)
         self.register_buffer("cos", emb.cos().to(device=device, dtype=dtype), persistent=False)
-        self.register_buffer("sin", emb.sin().to(device=device, dtype=dtype), persistent=False)
+        half = head_dim // 2
+        signed_sin = torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], dim=-1)
+        self.register_buffer("sin", signed_sin.to(device=device, dtype=dtype), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: (num_tokens, heads, head_dim) -> rotated copy."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def apply(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """x: (num_tokens, heads, head_dim) -> rotated copy; `signed_sin` from `cos_sin`.
+
+        `x * cos + rotate_half(x) * sin` with `rotate_half(x) = [-x2, x1]`, computed as
+        `roll(x) = [x2, x1]` times `[-sin1, sin2]`.
+        """
+        return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class LlamaAttention(nn.Module):
