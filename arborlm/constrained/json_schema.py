@@ -128,7 +128,10 @@ Decisions
   engines enforce; exclusivity is left to the final validation. Refusing a
   ``oneOf`` whose branches might overlap would cost coverage (it is in 13% of
   the JSONSchemaBench sample, mostly with disjoint branches) for a case the
-  validation catches.
+  validation catches. Branches shown pairwise disjoint (different JSON types,
+  disjoint ``enum``s, or objects with a required ``const`` / ``enum``
+  discriminator) are written as ``anyOf``, the same language, so xgrammar
+  does not warn that it falls back to ``anyOf``.
 - ``format``: validation runs without a format checker, as JSON Schema
   2020-12 and ``jsonschema`` do by default (``format`` is an annotation).
   xgrammar enforces the formats it knows, which only narrows the strings it
@@ -1087,6 +1090,8 @@ class _Normaliser:
         for key in ("anyOf", "oneOf"):
             if key in node:
                 branches = [self.lower(b, f"{path}/{key}/{i}") for i, b in enumerate(node[key])]
+                if key == "oneOf" and _mutually_exclusive(branches):
+                    key = "anyOf"  # the same language, without xgrammar's "falling back to anyOf" warning
                 return self._combine(key, branches, path)
         if "enum" in node:
             return self._lower_enum(node)
@@ -1378,6 +1383,76 @@ class _Normaliser:
                                                 "a listed property take the additionalProperties schema", True)
             return additional, patterns, property_names
         return False, {narrowed: additional}, {}
+
+
+def _mutually_exclusive(branches: list[Schema]) -> bool:
+    """Whether no JSON value matches two of ``branches`` (lowered schemas), by a cheap pairwise proof.
+
+    Two branches are disjoint when their JSON types are (``integer`` lies
+    inside ``number``; an ``enum``'s types are its values'), when both are
+    ``enum``s without a common value, or when both are objects only and
+    require one property whose ``enum`` values (``const`` is lowered to an
+    ``enum``) are disjoint: a discriminator. Anything else (``$ref``, nested
+    ``anyOf``, no ``type``) counts as overlapping. A ``oneOf`` of such
+    branches is their ``anyOf``.
+    """
+    live = [b for b in branches if b is not False]
+    return all(_disjoint(a, b) for i, a in enumerate(live) for b in live[i + 1 :])
+
+
+def _disjoint(a: Schema, b: Schema) -> bool:
+    types_a, types_b = _value_types(a), _value_types(b)
+    if types_a is not None and types_b is not None and not _types_overlap(types_a, types_b):
+        return True
+    values_a, values_b = _enum_keys(a), _enum_keys(b)
+    if values_a is not None and values_b is not None:
+        return not values_a & values_b
+    if types_a != {"object"} or types_b != {"object"}:
+        return False
+    common = set(a.get("required", ())) & set(b.get("required", ()))
+    for name in common:
+        tags_a = _enum_keys(a.get("properties", {}).get(name, {}))
+        tags_b = _enum_keys(b.get("properties", {}).get(name, {}))
+        if tags_a is not None and tags_b is not None and not tags_a & tags_b:
+            return True
+    return False
+
+
+def _value_types(node: Schema) -> set[str] | None:
+    """The JSON types ``node`` admits, or None when not known from its own keywords."""
+    if not isinstance(node, dict) or any(k in node for k in ("$ref", "anyOf", "oneOf", "allOf")):
+        return None
+    if "enum" in node:
+        return {_json_type(v) for v in node["enum"]}
+    if "type" in node:
+        return {node["type"]} if isinstance(node["type"], str) else set(node["type"])
+    return None
+
+
+def _enum_keys(node: Schema) -> set | None:
+    """The `_json_key`s of ``node``'s ``enum`` values, or None when it is not an ``enum``."""
+    if not isinstance(node, dict) or "enum" not in node or any(k in node for k in ("$ref", "anyOf", "oneOf")):
+        return None
+    return {_json_key(v) for v in node["enum"]}
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if value is None:
+        return "null"
+    return {str: "string", list: "array", dict: "object"}[type(value)]
+
+
+def _types_overlap(a: set[str], b: set[str]) -> bool:
+    def widen(types: set[str]) -> set[str]:
+        return types | {"integer"} if "number" in types else types
+
+    return bool(widen(a) & widen(b))
 
 
 def _mixed(p: dict) -> bool:

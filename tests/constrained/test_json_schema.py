@@ -476,3 +476,29 @@ def test_a_single_pattern_property_is_enforced_not_refused():
     prepared = prepare_json_schema({"type": "object", "patternProperties": {"^x_": INT}, "additionalProperties": False})
     assert prepared.dropped == ()
     xgr.Grammar.from_json_schema(prepared.text, any_whitespace=False, strict_mode=True)
+
+
+TAGGED_A = obj({"kind": {"const": "a"}, "x": INT}, required=["kind"])
+TAGGED_B = obj({"kind": {"enum": ["b", "c"]}, "y": STR}, required=["kind", "y"])
+
+
+@pytest.mark.parametrize("branches,exclusive", [
+    ([INT, STR], True),  # different types
+    ([{"type": "number"}, STR, {"type": "null"}], True),
+    ([TAGGED_A, TAGGED_B], True),  # a required discriminator with disjoint values
+    ([TAGGED_A, TAGGED_B, STR], True),
+    ([{"enum": [1, "x"]}, {"enum": [2, "y"]}], True),
+    ([{"enum": ["x"]}, INT], True),  # an enum's types are its values'
+    ([INT, {"type": "number"}], False),  # integers are numbers
+    ([{"enum": [1]}, {"enum": [1.0]}], False),  # 1 == 1.0 in JSON Schema
+    ([TAGGED_A, obj({"kind": {"enum": ["a", "b"]}}, required=["kind"])], False),  # "a" in both
+    ([TAGGED_A, obj({"kind": {"const": "b"}})], False),  # the discriminator is optional in one
+    ([TAGGED_A, obj({"kind": STR}, required=["kind"])], False),  # not an enum
+    ([{"$ref": "#/$defs/a"}, STR], False),  # not looked through
+    ([{}, INT], False),
+])
+def test_disjoint_oneof_becomes_anyof(branches, exclusive):
+    schema = {"oneOf": branches, "$defs": {"a": INT}}
+    lowered = json.loads(prepare_json_schema(schema).text)
+    assert ("anyOf" in lowered, "oneOf" in lowered) == (exclusive, not exclusive)
+    assert len(lowered["anyOf" if exclusive else "oneOf"]) == len(branches)
