@@ -186,6 +186,7 @@ from arborlm.constrained.schema_patterns import (
     is_vacuous,
     pattern_search,
     pattern_with_lengths,
+    separator_first_repeat,
     strip_lookarounds,
     xgrammar_regex_error,
 )
@@ -1186,7 +1187,7 @@ class _Normaliser:
                 else:
                     pattern = combined
                 min_length, max_length = 0, None
-            out["pattern"] = pattern
+            out["pattern"] = separator_first_repeat(pattern)
         if min_length > 0:
             out["minLength"] = min_length
         if max_length is not None:
