@@ -7,8 +7,7 @@ the same grammar backend from the arguments the serving one was built with
 (`GrammarBackend.worker_args`) and compiles one grammar at a time. A compile
 that outlives its deadline is ended by killing the process; a fresh one starts
 at once, so its start-up (seconds: xgrammar imports torch) is mostly over by
-the next compile. A worker runs at nice `COMPILE_NICENESS` (as do compile
-threads of the serving process), below the scheduler's decode loop.
+the next compile.
 
 Wire format, both ways over the child's stdin and stdout: an 8-byte big-endian
 length, then that many bytes of pickle. Requests: the setup message
@@ -300,34 +299,11 @@ def _read_message(fd: int) -> bytes:
     return _read_exact(fd, size)
 
 
-# Nice value of grammar compiles, on threads and in worker processes: the decode loop
-# fills masks between forward passes and must get its core back at once. At 10 a busy
-# compile gets about a tenth of a core the loop wants (CFS weights 110 against 1024).
-COMPILE_NICENESS = 10
-
-
-def lower_compile_priority() -> None:
-    """Lower the calling thread's CPU priority to `COMPILE_NICENESS` (Linux only; never raises it).
-
-    On Linux a nice value belongs to one thread (its native id), and the threads
-    it starts afterwards (xgrammar's compile pool) inherit it. Elsewhere
-    ``setpriority`` would renice the whole serving process, so nothing is done.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), COMPILE_NICENESS))
-    except OSError:
-        pass  # a sandbox may forbid it; compiles then compete at normal priority
-
-
 # ---------------------------------------------------------------- the worker process
 
 
 def main() -> None:
     """The worker's loop: build the backend from the setup message, then compile requests one at a time."""
-    lower_compile_priority()  # first, so that every thread of the worker inherits it
     reply_fd = os.dup(1)
     os.dup2(2, 1)  # stray prints from the libraries go to stderr, not into the replies
     inbox: queue.Queue[bytes] = queue.Queue()

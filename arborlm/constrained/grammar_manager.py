@@ -23,14 +23,6 @@ ship (test fakes) compile on threads: a compile past its deadline gives up its
 slot to a new thread, so it cannot starve the others, but it keeps its core
 busy until it returns (a daemon thread, so it does not hold up exit).
 
-Compiles run at a lower CPU priority than the scheduler (nice
-`~compile_worker.COMPILE_NICENESS`, on the compile thread and the threads it
-starts, or on the whole worker process): on a machine with few cores a
-compile must not delay the decode loop's mask fills. Measured on 2 busy
-cores, a fill of a Kubernetes schema's mask while WashingtonPost and
-Github_hard schemas compiled on a thread: p50 / p99 30 / 57 µs (one 3.8 ms
-preemption) at nice 0, 20 / 46 µs at nice 10, 34 / 69 µs with no compile.
-
 Cost of the worker process (SmolLM2 tokenizer, 49152 tokens, a busy 2-core
 machine): start-up 3 s idle, 7 to 9 s busy (importing xgrammar imports torch
 and transformers), paid by a slot's first compile and, after a kill, hidden by
@@ -69,7 +61,6 @@ from arborlm.constrained.compile_worker import (
     CompileWorker,
     WorkerCrashed,
     WorkerSetupError,
-    lower_compile_priority,
     setup_message,
 )
 
@@ -431,8 +422,7 @@ class ThreadSlot:
 
     A compile past its job's deadline is abandoned: `run` raises
     `CompileTimeout` and the slot takes the next job on a new thread while the
-    old one runs on (it cannot be stopped) and its result is dropped. The
-    compile thread lowers its own priority (`lower_compile_priority`).
+    old one runs on (it cannot be stopped) and its result is dropped.
     """
 
     pid = None
@@ -459,7 +449,6 @@ class ThreadSlot:
         outcome: dict = {}
 
         def compile_on_thread() -> None:
-            lower_compile_priority()
             start = time.perf_counter()
             try:
                 outcome["compiled"] = self.backend.compile(job.key)

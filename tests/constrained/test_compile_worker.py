@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from arborlm.constrained.base import GrammarError, GrammarKey
-from arborlm.constrained.compile_worker import COMPILE_NICENESS
 from arborlm.constrained.grammar_manager import GrammarManager, create_grammar_backend
 from tests.constrained.worker_backends import SleepyBackend, WorkerCompiled
 
@@ -99,14 +98,6 @@ def test_compiles_in_a_worker_process(manager):
     assert wait_result(manager, manager.request(regex("big"))).pid == os.getpid()  # compiled again here
     stats = manager.stats()
     assert stats["num_compiled"] == 4 and stats["num_cache_hits"] == 1
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
-def test_workers_run_at_lower_priority(manager):
-    own = os.getpriority(os.PRIO_PROCESS, os.getpid())
-    for pid in manager.stats()["worker_pids"]:
-        assert os.getpriority(os.PRIO_PROCESS, pid) == max(own, COMPILE_NICENESS)
-    assert os.getpriority(os.PRIO_PROCESS, os.getpid()) == own
 
 
 def test_stuck_compiles_are_killed_and_others_still_compile(manager):

@@ -1,16 +1,13 @@
-"""GrammarManager with a fake backend: cache, failures, timeouts, wait_any, shutdown, compile priority."""
+"""GrammarManager with a fake backend: cache, failures, timeouts, wait_any, shutdown."""
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
 
 import pytest
 
 from arborlm.constrained.base import CompiledGrammar, GrammarBackend, GrammarError, GrammarKey
-from arborlm.constrained.compile_worker import COMPILE_NICENESS
 from arborlm.constrained.grammar_manager import GrammarManager
 
 
@@ -176,33 +173,3 @@ def test_rejects_bad_settings(backend):
         GrammarManager(backend, compile_timeout=1, max_cache_entries=0)
     with pytest.raises(ValueError, match="max_workers"):
         GrammarManager(backend, compile_timeout=1, max_workers=0)
-
-
-def _own_nice() -> int:
-    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-
-class PriorityBackend(FakeBackend):
-    """Records the nice value of the thread that compiles and of a thread it starts (as xgrammar's pool)."""
-
-    def compile(self, key: GrammarKey) -> FakeCompiled:
-        seen = {"compile": _own_nice()}
-        child = threading.Thread(target=lambda: seen.setdefault("started", _own_nice()))
-        child.start()
-        child.join()
-        self.nice = seen
-        return super().compile(key)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
-def test_thread_compiles_run_at_lower_priority():
-    backend = PriorityBackend()
-    before = _own_nice()
-    manager = GrammarManager(backend, compile_timeout=5.0, use_worker_processes=False)
-    try:
-        wait_result(manager, manager.request(regex("a")))
-    finally:
-        manager.shutdown()
-    expected = max(before, COMPILE_NICENESS)
-    assert backend.nice == {"compile": expected, "started": expected}
-    assert _own_nice() == before  # the calling (scheduler) thread keeps its priority
