@@ -7,7 +7,8 @@ On the default model, in one run:
 2. validity: one generation per covered schema (temperature 1.0); every
    output that finished with "stop" must parse and validate with `jsonschema`
    (outputs cut by `max_new_tokens` are counted apart);
-3. compile time p50 / p95 (seconds) and per-token mask fill time p50 / p99 (µs);
+3. compile time p50 / p95 (seconds) and per-token mask fill time p50 / p99 (µs: each
+   constrained request at each step, timed alone);
 4. output tok/s of 16 JSON-schema requests against the same requests
    unconstrained (each with the constrained output's length, `ignore_eos`);
 5. decode steps saved by jump-forward (the same constrained batch with it off).

@@ -51,7 +51,7 @@ def test_no_bit_leaks_from_the_previous_step():
     assert masked(proc, [ForbidOnly(5), ForbidOnly(40, 99)]) == [{5}, {40, 99}]
     assert masked(proc, [ForbidOnly(7), None]) == [{7}, set()]  # row 0 is another request's now
     assert masked(proc, [None, ForbidOnly()]) == [set(), set()]  # 40 and 99 were row 1's last step
-    assert len(proc.mask_fill_seconds) == 3
+    assert len(proc.mask_fill_seconds) == 4  # one per constrained request and step
 
 
 def test_the_bitmask_is_kept_and_grows_with_the_batch():
