@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -13,24 +15,44 @@ SCALE = HEAD_DIM**-0.5
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("prefix_lens, extend_lens, num_q_heads, num_kv_heads, sliding_window, logit_cap", CASES)
-def test_extend_matches_reference(prefix_lens, extend_lens, num_q_heads, num_kv_heads, sliding_window, logit_cap, dtype):
+@dataclass
+class ExtendCase:
+    """A ragged extend step on a random pool, with the oracle's output."""
+
+    k_buffer: torch.Tensor
+    v_buffer: torch.Tensor
+    req_to_token: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    prefix: torch.Tensor
+    new: torch.Tensor
+    q: torch.Tensor
+    expected: torch.Tensor
+
+
+def extend_case(prefix_lens, extend_lens, num_q_heads, num_kv_heads, sliding_window, logit_cap, dtype, seed):
     k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens = make_pool(
         prefix_lens, extend_lens, num_kv_heads, HEAD_DIM
     )
     k_buffer, v_buffer = k_buffer.to(dtype), v_buffer.to(dtype)
     prefix, new = torch.tensor(prefix_lens), torch.tensor(extend_lens)
-    q = torch.randn(sum(extend_lens), num_q_heads, HEAD_DIM, generator=torch.Generator().manual_seed(1)).to(dtype)
+    q = torch.randn(sum(extend_lens), num_q_heads, HEAD_DIM, generator=torch.Generator().manual_seed(seed)).to(dtype)
     expected = reference.extend_attention(
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, prefix, new, SCALE, sliding_window, logit_cap
     )
+    return ExtendCase(k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, prefix, new, q, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefix_lens, extend_lens, num_q_heads, num_kv_heads, sliding_window, logit_cap", CASES)
+def test_extend_matches_reference(prefix_lens, extend_lens, num_q_heads, num_kv_heads, sliding_window, logit_cap, dtype):
+    c = extend_case(prefix_lens, extend_lens, num_q_heads, num_kv_heads, sliding_window, logit_cap, dtype, seed=1)
     metadata = torch_native.build_extend_metadata(
-        req_to_token, req_pool_indices, seq_lens, prefix, new, max(extend_lens), int(seq_lens.max())
+        c.req_to_token, c.req_pool_indices, c.seq_lens, c.prefix, c.new, max(extend_lens), int(c.seq_lens.max())
     )
-    out = torch_native.extend_attention(q, k_buffer, v_buffer, metadata, SCALE, sliding_window, logit_cap)
+    out = torch_native.extend_attention(c.q, c.k_buffer, c.v_buffer, metadata, SCALE, sliding_window, logit_cap)
     assert out.dtype == dtype
-    torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
+    torch.testing.assert_close(out.float(), c.expected.float(), atol=TOLERANCE[dtype], rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -66,24 +88,17 @@ def test_mixed_extend_matches_reference(
     prefix_lens, extend_lens, num_q_heads, num_kv_heads, sliding_window, logit_cap, dtype
 ):
     """One-token requests in an extend step take the decode path; results equal the oracle's."""
-    k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens = make_pool(
-        prefix_lens, extend_lens, num_kv_heads, HEAD_DIM
-    )
-    k_buffer, v_buffer = k_buffer.to(dtype), v_buffer.to(dtype)
-    prefix, new = torch.tensor(prefix_lens), torch.tensor(extend_lens)
-    q = torch.randn(sum(extend_lens), num_q_heads, HEAD_DIM, generator=torch.Generator().manual_seed(3)).to(dtype)
-    expected = reference.extend_attention(
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, prefix, new, SCALE, sliding_window, logit_cap
-    )
+    c = extend_case(prefix_lens, extend_lens, num_q_heads, num_kv_heads, sliding_window, logit_cap, dtype, seed=3)
     metadata = torch_native.build_extend_step_metadata(
-        req_to_token, req_pool_indices, seq_lens, prefix, new, list(extend_lens), seq_lens.tolist(), num_kv_heads
+        c.req_to_token, c.req_pool_indices, c.seq_lens, c.prefix, c.new, list(extend_lens), c.seq_lens.tolist(),
+        num_kv_heads,
     )
     assert isinstance(metadata, torch_native.MixedMetadata)
     # Only the longer requests are padded: the extend part's query block is theirs alone.
     assert metadata.extend.batch_size == sum(1 for n in extend_lens if n > 1)
-    out = torch_native.mixed_attention(q, k_buffer, v_buffer, metadata, SCALE, sliding_window, logit_cap)
+    out = torch_native.mixed_attention(c.q, c.k_buffer, c.v_buffer, metadata, SCALE, sliding_window, logit_cap)
     assert out.dtype == dtype
-    torch.testing.assert_close(out.float(), expected.float(), atol=TOLERANCE[dtype], rtol=0)
+    torch.testing.assert_close(out.float(), c.expected.float(), atol=TOLERANCE[dtype], rtol=0)
 
 
 def test_unmixed_extend_keeps_the_padded_path():
