@@ -172,6 +172,18 @@ def test_continue_final_message_and_content_parts(client, model):
 
 
 @pytest.mark.usefixtures("http")
+def test_chat_template_kwargs_reach_the_template(client, model):
+    """Template variables the template does not use change nothing; they are not refused."""
+    plain = client.chat.completions.create(model=model, messages=MESSAGES, extra_body=FORCE_LENGTH, **GREEDY)
+    with_vars = client.chat.completions.create(
+        model=model, messages=MESSAGES, extra_body={"chat_template_kwargs": {"enable_thinking": False}, **FORCE_LENGTH},
+        **GREEDY,
+    )
+    assert with_vars.choices[0].message.content == plain.choices[0].message.content
+    assert with_vars.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+@pytest.mark.usefixtures("http")
 def test_stop_string_and_logit_bias(client, model, tiny_tokenizer):
     token = tiny_tokenizer.encode(" banana", add_special_tokens=False)[0]
     piece = tiny_tokenizer.decode([token])
@@ -337,6 +349,12 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": MESSAGES, "regex": "(", "max_tokens": 2}, None),
     ("/v1/chat/completions", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
     ("/v1/chat/completions", {"messages": MESSAGES, "cache_salt": 5}, "cache_salt"),
+    # template variables that collide with apply_chat_template's own arguments
+    ("/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"tokenize": True}},
+     "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": {"conversation": []}},
+     "chat_template_kwargs"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "chat_template_kwargs": [1]}, "chat_template_kwargs"),
     ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 4, "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]},
      "tools[0].function.parameters"),

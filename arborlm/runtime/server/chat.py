@@ -76,6 +76,14 @@ def _content_text(message: ChatMessage, index: int) -> str:
     return TEXT_PART_SEPARATOR.join(texts)
 
 
+# Arguments of `apply_chat_template` the server sets; template variables may not override them.
+RENDER_ARGUMENTS = frozenset({
+    "conversation", "tokenize", "add_generation_prompt", "continue_final_message", "tools", "documents",
+    "chat_template", "return_tensors", "return_dict", "return_assistant_tokens_mask", "padding",
+    "truncation", "max_length", "tokenizer_kwargs",
+})
+
+
 def render_chat(tokenizer, messages: list[ChatMessage], continue_final_message: bool = False,
                 template_kwargs: dict[str, Any] | None = None,
                 tools: list[dict[str, Any]] | None = None) -> list[int]:
@@ -86,8 +94,9 @@ def render_chat(tokenizer, messages: list[ChatMessage], continue_final_message: 
     Raises
     ------
     APIError: 400 when the model has no chat template, when `continue_final_message`
-        is set but the last message is not the assistant's, or when the template
-        refuses the messages (e.g. roles that must alternate).
+        is set but the last message is not the assistant's, when `template_kwargs`
+        sets an argument the server sets itself (`RENDER_ARGUMENTS`), or when the
+        template refuses the messages (e.g. roles that must alternate).
     """
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("this model has no chat template; use /v1/completions", param="messages")
@@ -96,6 +105,13 @@ def render_chat(tokenizer, messages: list[ChatMessage], continue_final_message: 
     if continue_final_message and dicts[-1]["role"] != "assistant":
         raise bad_request("continue_final_message needs a final assistant message to continue",
                           param="continue_final_message")
+    reserved = sorted(set(template_kwargs or {}) & RENDER_ARGUMENTS)
+    if reserved:
+        raise bad_request(
+            f"chat_template_kwargs may not set {', '.join(reserved)}: the server sets "
+            f"{', '.join(sorted(RENDER_ARGUMENTS))} itself (use the request's own fields)",
+            param="chat_template_kwargs",
+        )
     kwargs = dict(template_kwargs or {})
     if tools and native_tools:
         kwargs["tools"] = tools
