@@ -68,14 +68,21 @@ def test_jsonschemabench_outputs_validate(smol):
             params.append({"json_schema": schema, "temperature": 1.0, "seed": seed, "max_new_tokens": 256})
     assert len(refused) < len(schemas) // 2, refused
     outs = smol.generate(prompts, params)
-    finished = 0
+    finished = repeated_keys = 0
     for sid, out in zip(ids, outs):
         reason = out["meta_info"]["finish_reason"]
+        if reason["type"] == "abort" and "duplicate key" in reason.get("message", ""):
+            # No context-free grammar can forbid repeating a key of an open object (one that
+            # allows additional properties); the front refuses such an output instead of
+            # returning JSON whose meaning depends on the parser. Rare, and never "stop".
+            repeated_keys += 1
+            continue
         assert reason["type"] in ("stop", "length"), (sid, reason)
         if reason["type"] == "stop":
             finished += 1
             jsonschema.validate(json.loads(out["text"]), dict(schemas)[sid])
     assert finished >= len(outs) // 2
+    assert repeated_keys <= len(outs) // 8, repeated_keys
     for message in refused.values():
         assert "json_schema" in message or "/" in message, message
 
