@@ -1,0 +1,474 @@
+"""The native CPU kernels (`cpu_ops.NativeLayerOps`) against their torch oracles.
+
+The library is compiled once per module into pytest's temporary folder, twice: as
+`layer_ops` builds it (`-march=native`, the AVX-512 loops where the CPU has them)
+and with AVX-512 turned off, so the scalar code that non-AVX-512 machines run is
+tested too. Row lengths that are not multiples of 16 run each loop's scalar tail;
+the large cases cross the kernels' OpenMP threshold (2**15 elements).
+
+Oracles: `LayerOps` (plain torch) for the elementwise groups and
+`reference.decode_attention` for attention. bfloat16 outputs are also compared
+with the oracle computed in float32 and rounded once, which is what the kernels
+compute, within one bfloat16 ulp.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from arborlm.kernels import cpu_ops, reference
+from arborlm.kernels.cpu_ops import LayerOps, NativeLayerOps, RotaryStep
+
+EPS = 1e-6
+BF16_RTOL = 1 / 128  # one bfloat16 ulp relative to the value
+BUILDS = {"native": (), "no-avx512": ("-mno-avx512f",)}
+DTYPES = [torch.float32, torch.bfloat16]
+DIMS = [7, 33, 100, 576]  # 576 = 36 vectors of 16; the others end in a scalar tail
+ROWS = [1, 2048]  # 2048 rows cross the OpenMP threshold at every dim but 7
+
+
+@pytest.fixture(scope="module")
+def compiler() -> str:
+    """The C++ compiler `build_library` would use; the test is skipped without one."""
+    found = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if found is None:
+        pytest.skip("no C++ compiler (g++ or $CXX) to build the native CPU kernels")
+    return found
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def lib(request, compiler, tmp_path_factory):
+    """The kernel library, built once per module for each entry of `BUILDS`.
+
+    Skipped without a compiler; with one, a `KernelBuildError` (the source does not
+    compile, an ABI mismatch) fails the tests rather than hiding them."""
+    if BUILDS[request.param] and platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip(f"{request.param}: an x86 build")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_ops, "CXX_FLAGS", cpu_ops.CXX_FLAGS + BUILDS[request.param])
+        return cpu_ops.load_library(tmp_path_factory.mktemp(f"kernels-{request.param}"))
+
+
+@pytest.fixture
+def ops(lib) -> NativeLayerOps:
+    """`NativeLayerOps` over this module's library."""
+    return NativeLayerOps(lib)
+
+
+def randn(*shape, dtype=torch.float32, seed=0, scale=1.0) -> torch.Tensor:
+    """Seeded standard-normal values times `scale`, rounded to `dtype`."""
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+def column_slice(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values as a column slice of a wider tensor: rows strided, last dimension contiguous."""
+    wide = torch.full((t.shape[0], t.shape[1] + 9), float("nan"), dtype=t.dtype)
+    wide[:, 5:5 + t.shape[1]] = t
+    return wide[:, 5:5 + t.shape[1]]
+
+
+def rows_of(rows: int, dim: int, dtype, seed: int, strided: bool) -> torch.Tensor:
+    """(rows, dim) random values; when `strided`, a column slice of a wider tensor."""
+    x = randn(rows, dim, dtype=dtype, seed=seed)
+    return column_slice(x) if strided else x
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """float32 to within float32 rounding at O(1) values; bfloat16 to within one ulp."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if actual.dtype == torch.bfloat16:
+        torch.testing.assert_close(actual.float(), expected.float(), atol=1e-6, rtol=BF16_RTOL)
+    else:
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def rotary_tables(max_positions: int, head_dim: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama's cos table and signed sin table (first half negated), as `RotaryEmbedding` builds them."""
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    half = head_dim // 2
+    signed_sin = torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], dim=-1)
+    return emb.cos().to(dtype), signed_sin.to(dtype)
+
+
+# ---------------------------------------------------------------- rms_norm
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("dim", DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_matches_torch(ops, dtype, dim, rows, strided):
+    x, weight = rows_of(rows, dim, dtype, 1, strided), randn(dim, dtype=dtype, seed=2)
+    out = ops.rms_norm(x, weight, EPS)
+    assert_matches(out, LayerOps().rms_norm(x, weight, EPS))
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("dim", DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_add_rms_norm_updates_residual_in_place(ops, dtype, dim, rows, strided):
+    x, weight = rows_of(rows, dim, dtype, 1, strided), randn(dim, dtype=dtype, seed=2)
+    wide_residual = randn(rows, dim + 9, dtype=dtype, seed=3)
+    residual = wide_residual[:, 5:5 + dim] if strided else wide_residual[:, 5:5 + dim].contiguous()
+    before, wide_before = residual.clone(), wide_residual.clone()
+    expected_out, expected_sum = LayerOps().rms_norm(x, weight, EPS, before.clone())
+
+    out, new_residual = ops.rms_norm(x, weight, EPS, residual)
+
+    assert new_residual.data_ptr() == residual.data_ptr()
+    torch.testing.assert_close(residual, x + before, atol=0, rtol=0)
+    torch.testing.assert_close(residual, expected_sum, atol=0, rtol=0)
+    if strided:  # the columns around the view are not written
+        torch.testing.assert_close(wide_residual[:, :5], wide_before[:, :5], atol=0, rtol=0)
+        torch.testing.assert_close(wide_residual[:, 5 + dim:], wide_before[:, 5 + dim:], atol=0, rtol=0)
+    assert_matches(out, expected_out)
+
+
+# ---------------------------------------------------------------- silu_and_mul
+
+EXTREME_GATES = [-1e4, -100.0, -89.0, -88.0, 88.0, 89.0, 100.0, 1e4]  # exp over/underflows float32
+
+
+def gate_up_with_extremes(rows: int, dim: int, dtype, strided: bool) -> torch.Tensor:
+    """(rows, 2 * dim) gate/up values; the gates of the first and last rows are
+    `EXTREME_GATES` repeated (reversed in the last row), so both the vector loop and the
+    scalar tail meet each sign."""
+    gate_up = randn(rows, 2 * dim, seed=4, scale=3.0)
+    extremes = torch.tensor(EXTREME_GATES).repeat(dim // len(EXTREME_GATES) + 1)[:dim]
+    gate_up[0, :dim] = extremes
+    gate_up[-1, :dim] = extremes.flip(0)
+    gate_up = gate_up.to(dtype)
+    return column_slice(gate_up) if strided else gate_up
+
+
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+@pytest.mark.parametrize("rows", [1, 300])
+@pytest.mark.parametrize("dim", DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_silu_and_mul_matches_torch(ops, dtype, dim, rows, strided):
+    gate_up = gate_up_with_extremes(rows, dim, dtype, strided)
+    expected = LayerOps().silu_and_mul(gate_up)
+    assert torch.isfinite(expected).all()
+
+    out = ops.silu_and_mul(gate_up)
+
+    assert torch.isfinite(out).all()
+    assert_matches(out, expected)
+
+
+# ---------------------------------------------------------------- rotary_
+
+MAX_POSITIONS = 4096
+
+
+def rotary_case(tokens: int, head_dim: int, dtype, seed: int = 5):
+    """A fused qkv output (6 q, 2 k, 2 v heads) and a step at random, unsorted positions
+    (the last table row included, and the first when there are two tokens or more)."""
+    qkv = randn(tokens, 10 * head_dim, dtype=dtype, seed=seed)
+    positions = torch.randint(0, MAX_POSITIONS, (tokens,), generator=torch.Generator().manual_seed(seed))
+    positions[-1], positions[0] = 0, MAX_POSITIONS - 1
+    return qkv, RotaryStep(positions, *rotary_tables(MAX_POSITIONS, head_dim, dtype))
+
+
+@pytest.mark.parametrize("tokens", [1, 300])
+@pytest.mark.parametrize("head_dim", [8, 64, 80, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_in_place_on_qk_view(ops, dtype, head_dim, tokens):
+    qkv, step = rotary_case(tokens, head_dim, dtype)
+    qk = qkv[:, :8 * head_dim].view(tokens, 8, head_dim)
+    v_before = qkv[:, 8 * head_dim:].clone()
+    expected = LayerOps().rotary_(qk.clone(), step)
+    step32 = RotaryStep(step.positions, step.cos_table.float(), step.sin_table.float())
+    # The kernel's own arithmetic: float32 ops as torch does them, one rounding at the end.
+    expected_once_rounded = LayerOps().rotary_(qk.float(), step32).to(dtype)
+
+    out = ops.rotary_(qk, step)
+
+    assert out.data_ptr() == qk.data_ptr()
+    torch.testing.assert_close(qkv[:, 8 * head_dim:], v_before, atol=0, rtol=0)
+    torch.testing.assert_close(out, expected_once_rounded, atol=0, rtol=0)
+    if dtype == torch.bfloat16:
+        # torch rounds both products before the sum: each off by up to half an ulp of max |x|.
+        atol = float(qkv.abs().max()) / 256
+        torch.testing.assert_close(out.float(), expected.float(), atol=atol, rtol=BF16_RTOL)
+    else:
+        torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------- torch fallbacks
+
+
+def test_float16_takes_the_torch_path(ops):
+    x, weight, residual = (randn(5, 33, dtype=torch.float16, seed=s) for s in (1, 2, 3))
+    weight = weight[0]
+    torch_ops = LayerOps()
+    torch.testing.assert_close(ops.rms_norm(x, weight, EPS), torch_ops.rms_norm(x, weight, EPS), atol=0, rtol=0)
+    out, new_residual = ops.rms_norm(x, weight, EPS, residual.clone())
+    expected_out, expected_sum = torch_ops.rms_norm(x, weight, EPS, residual.clone())
+    torch.testing.assert_close(out, expected_out, atol=0, rtol=0)
+    torch.testing.assert_close(new_residual, expected_sum, atol=0, rtol=0)
+    gate_up = randn(5, 66, dtype=torch.float16, seed=4)
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), torch_ops.silu_and_mul(gate_up), atol=0, rtol=0)
+
+    qkv, step = rotary_case(7, 64, torch.float16)
+    qk = qkv[:, :8 * 64].view(7, 8, 64)
+    expected = torch_ops.rotary_(qk.clone(), step)
+    torch.testing.assert_close(ops.rotary_(qk, step), expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "make_x",
+    [
+        lambda: randn(2, 3, 33, seed=1),  # 3-D
+        lambda: randn(33, 4, seed=1).t(),  # last dimension strided
+    ],
+    ids=["3d", "column-strided"],
+)
+def test_layouts_the_kernels_skip_take_the_torch_path(ops, make_x):
+    x, weight = make_x(), randn(33, seed=2)
+    expected = LayerOps().rms_norm(x, weight, EPS)
+    torch.testing.assert_close(ops.rms_norm(x, weight, EPS), expected, atol=0, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+def test_rms_norm_with_weight_of_another_dtype_takes_the_torch_path(ops):
+    x, weight = randn(4, 33, dtype=torch.bfloat16, seed=1), randn(33, seed=2)
+    expected = LayerOps().rms_norm(x, weight, EPS)
+    torch.testing.assert_close(ops.rms_norm(x, weight, EPS), expected, atol=0, rtol=0)
+
+
+def test_layer_ops_without_native_is_torch():
+    assert type(cpu_ops.layer_ops("cpu", native=False)) is LayerOps
+
+
+@pytest.mark.parametrize("device", ["meta", torch.device("meta"), "cuda"])
+def test_layer_ops_off_cpu_is_torch(device, monkeypatch):
+    monkeypatch.setattr(cpu_ops, "native_library", lambda: pytest.fail("built the library for a non-CPU device"))
+    assert type(cpu_ops.layer_ops(device)) is LayerOps
+
+
+def test_layer_ops_on_cpu_uses_the_library(lib, monkeypatch):
+    monkeypatch.setattr(cpu_ops, "native_library", lambda: lib)
+    ops = cpu_ops.layer_ops("cpu")
+    assert isinstance(ops, NativeLayerOps) and ops.native and ops.lib is lib
+
+
+def test_layer_ops_falls_back_when_the_build_fails(monkeypatch, caplog):
+    def fail(cache_dir):
+        raise cpu_ops.KernelBuildError("no compiler here")
+
+    monkeypatch.setattr(cpu_ops, "load_library", fail)
+    with caplog.at_level(logging.WARNING, logger=cpu_ops.__name__):
+        assert cpu_ops.native_library.__wrapped__() is None  # bypass the per-process cache
+    assert "no compiler here" in caplog.text
+    monkeypatch.setattr(cpu_ops, "native_library", lambda: None)
+    assert type(cpu_ops.layer_ops("cpu")) is LayerOps
+
+
+# ---------------------------------------------------------------- decode_attention
+
+SEQ_LENS = [1, 17, 60, 9]
+
+
+def decode_case(seq_lens, num_kv_heads, group, head_dim, dtype, seed=6):
+    """q and a paged pool: slots shuffled, req_pool_indices out of order, and
+    req_to_token rows filled past each seq_len with other requests' slots (must be ignored).
+
+    Returns (q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens)."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, num_slots = len(seq_lens), sum(seq_lens) + 11
+    k_buffer = randn(num_slots, num_kv_heads, head_dim, dtype=dtype, seed=seed + 1)
+    v_buffer = randn(num_slots, num_kv_heads, head_dim, dtype=dtype, seed=seed + 2)
+    q = randn(batch, num_kv_heads * group, head_dim, dtype=dtype, seed=seed + 3, scale=4.0)
+    num_rows = batch + 3
+    req_to_token = torch.randint(0, num_slots, (num_rows, max(seq_lens) + 5), generator=gen, dtype=torch.int32)
+    req_pool_indices = torch.randperm(num_rows, generator=gen)[:batch]
+    slots = torch.randperm(num_slots, generator=gen).to(torch.int32)
+    start = 0
+    for row, n in zip(req_pool_indices.tolist(), seq_lens):
+        req_to_token[row, :n] = slots[start:start + n]
+        start += n
+    return q, k_buffer, v_buffer, req_to_token, req_pool_indices, torch.tensor(seq_lens)
+
+
+def assert_decode_matches_reference(ops, case, sliding_window, logit_cap) -> None:
+    """Native decode attention equals `reference.decode_attention`: float32 to within
+    float32 rounding; bfloat16 within one ulp of the float32 oracle and within the
+    bfloat16 reference's own error."""
+    q, k_buffer, v_buffer, *pool = case
+    scale = q.shape[-1] ** -0.5
+    assert ops.can_decode(q, k_buffer, v_buffer, pool[0])
+    out = ops.decode_attention(q, k_buffer, v_buffer, *pool, scale, sliding_window, logit_cap)
+    expected = reference.decode_attention(q, k_buffer, v_buffer, *pool, scale, sliding_window, logit_cap)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    if q.dtype == torch.float32:
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        return
+    expected32 = reference.decode_attention(
+        q.float(), k_buffer.float(), v_buffer.float(), *pool, scale, sliding_window, logit_cap
+    )
+    torch.testing.assert_close(out.float(), expected32, atol=1e-5, rtol=BF16_RTOL)
+    torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("logit_cap", [0.0, 30.0])
+@pytest.mark.parametrize("sliding_window", [None, 1, 17, 1000])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_attention_matches_reference(ops, dtype, group, head_dim, sliding_window, logit_cap):
+    case = decode_case(SEQ_LENS, 2, group, head_dim, dtype)
+    assert_decode_matches_reference(ops, case, sliding_window, logit_cap)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_attention_large_batch(ops, dtype):
+    """Ragged lengths up to 400 over 12 requests: the OpenMP path, threads sharing the work."""
+    seq_lens = torch.randint(1, 400, (12,), generator=torch.Generator().manual_seed(7)).tolist()
+    case = decode_case(seq_lens, 4, 2, 80, dtype)
+    assert_decode_matches_reference(ops, case, None, 0.0)
+    assert_decode_matches_reference(ops, case, 100, 30.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_attention_q_strided_rows(ops, dtype):
+    """q as the model passes it: the q heads of a fused qkv row, row stride wider than q."""
+    q, *rest = decode_case(SEQ_LENS, 2, 3, 64, dtype)
+    qkv = torch.cat([q.flatten(1), randn(len(SEQ_LENS), 4 * 64, dtype=dtype, seed=9)], dim=1)
+    q_view = qkv[:, :6 * 64].view(len(SEQ_LENS), 6, 64)
+    assert q_view.stride(0) == 10 * 64
+    assert_decode_matches_reference(ops, (q_view, *rest), 17, 0.0)
+
+
+def new_kv_step(case, seed=8):
+    """The decode step's new K/V for `case`, as the model passes them: the k and v heads
+    of a fused qkv row (token stride wider than one row), to be stored at each request's
+    last position. Returns (new_kv, pool_with_new_kv): the kernel's argument, and
+    (k_buffer, v_buffer) copies with the rows stored by torch."""
+    q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens = case
+    batch, (num_kv_heads, head_dim) = q.shape[0], k_buffer.shape[1:]
+    qkv = randn(batch, q.shape[1] + 2 * num_kv_heads, head_dim, dtype=q.dtype, seed=seed)
+    k, v = qkv[:, q.shape[1]:-num_kv_heads], qkv[:, -num_kv_heads:]
+    out_cache_loc = req_to_token[req_pool_indices, seq_lens - 1].to(torch.int64)
+    k_expected, v_expected = k_buffer.clone(), v_buffer.clone()
+    k_expected[out_cache_loc], v_expected[out_cache_loc] = k, v
+    return (k, v, out_cache_loc), (k_expected, v_expected)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_attention_stores_new_kv_first(ops, dtype, head_dim):
+    case = decode_case(SEQ_LENS, 2, 3, head_dim, dtype)
+    q, k_buffer, v_buffer, *pool = case
+    new_kv, (k_expected, v_expected) = new_kv_step(case)
+    assert ops.can_decode(q, k_buffer, v_buffer, pool[0], new_kv)
+
+    out = ops.decode_attention(q, k_buffer, v_buffer, *pool, head_dim**-0.5, 17, 0.0, new_kv=new_kv)
+
+    torch.testing.assert_close(k_buffer, k_expected, atol=0, rtol=0)
+    torch.testing.assert_close(v_buffer, v_expected, atol=0, rtol=0)
+    expected = ops.decode_attention(q, k_expected, v_expected, *pool, head_dim**-0.5, 17, 0.0)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    assert_decode_matches_reference(ops, (q, k_expected, v_expected, *pool), 17, 0.0)
+
+
+def heads_strided(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values with a gap between heads (stride(1) > head_dim), last dimension contiguous."""
+    wide = torch.zeros(t.shape[0], t.shape[1], 2 * t.shape[2], dtype=t.dtype)
+    wide[:, :, :t.shape[2]] = t
+    return wide[:, :, :t.shape[2]]
+
+
+BAD_NEW_KV = {  # (k, v, out_cache_loc) -> a new_kv the kernel cannot store
+    "k-other-dtype": lambda k, v, loc: (k.bfloat16(), v, loc),
+    "v-fewer-heads": lambda k, v, loc: (k, v[:, :1], loc),
+    "v-heads-strided": lambda k, v, loc: (k, heads_strided(v), loc),
+    "loc-shorter-than-batch": lambda k, v, loc: (k, v, loc[:2]),
+}
+
+
+@pytest.mark.parametrize("spoil", list(BAD_NEW_KV.values()), ids=list(BAD_NEW_KV))
+def test_decode_attention_refuses_new_kv_it_cannot_store(ops, spoil):
+    case = decode_case(SEQ_LENS, 2, 3, 64, torch.float32)
+    q, k_buffer, v_buffer, req_to_token, *_ = case
+    new_kv, _ = new_kv_step(case)
+    bad = spoil(*new_kv)
+    assert not ops.can_decode(q, k_buffer, v_buffer, req_to_token, bad)
+    with pytest.raises(ValueError, match="decode_attention"):
+        ops.decode_attention(*case, 0.125, new_kv=bad)
+
+
+def unsupported_layouts():
+    """(id, case) pairs `decode_attention` must refuse."""
+    q, k, v, req_to_token, rpi, seq_lens = decode_case([5, 3], 2, 2, 64, torch.float32)
+    wide = torch.cat([k, v], dim=1)  # (slots, 4, 64): k as a head slice of it is not contiguous
+    return [
+        ("float16", (q.half(), k.half(), v.half(), req_to_token, rpi, seq_lens)),
+        ("k-not-contiguous", (q, wide[:, :2], v, req_to_token, rpi, seq_lens)),
+        ("v-not-contiguous", (q, k, wide[:, 2:], req_to_token, rpi, seq_lens)),
+        ("k-other-dtype", (q, k.bfloat16(), v, req_to_token, rpi, seq_lens)),
+        ("req-to-token-int64", (q, k, v, req_to_token.long(), rpi, seq_lens)),
+        ("q-heads-not-multiple", (q[:, :3], k, v, req_to_token, rpi, seq_lens)),
+        ("q-last-dim-strided", (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, req_to_token, rpi, seq_lens)),
+    ]
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, id=name) for name, case in unsupported_layouts()])
+def test_decode_attention_refuses_unsupported_layouts(ops, case):
+    q, k_buffer, v_buffer, req_to_token, *_ = case
+    assert not ops.can_decode(q, k_buffer, v_buffer, req_to_token)
+    with pytest.raises(ValueError, match="decode_attention"):
+        ops.decode_attention(*case, 0.125)
+
+
+# ---------------------------------------------------------------- build
+
+
+def kernel_files(cache_dir: Path) -> list[str]:
+    """Names of the files in the build folder (the library and any leftover temporaries)."""
+    folder = cache_dir / "kernels"
+    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+
+
+def test_missing_compiler_raises(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    with pytest.raises(cpu_ops.KernelBuildError, match="no-such-c\\+\\+"):
+        cpu_ops.build_library(tmp_path)
+    assert kernel_files(tmp_path) == []
+
+
+def test_no_compiler_on_path_raises(tmp_path, monkeypatch):
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(cpu_ops.shutil, "which", lambda name: None)
+    with pytest.raises(cpu_ops.KernelBuildError, match="no C\\+\\+ compiler"):
+        cpu_ops.build_library(tmp_path)
+
+
+def test_compile_error_carries_the_compiler_message(compiler, tmp_path, monkeypatch):
+    source = tmp_path / "broken_kernels.cpp"
+    source.write_text("int arborlm_abi_version() { return 1 }\n")  # missing ';'
+    monkeypatch.setattr(cpu_ops, "SOURCE", source)
+    with pytest.raises(cpu_ops.KernelBuildError) as info:
+        cpu_ops.build_library(tmp_path / "cache")
+    message = str(info.value)
+    assert "broken_kernels.cpp" in message and "error" in message and "expected" in message
+    assert kernel_files(tmp_path / "cache") == []  # no half-written library left behind
+
+
+def test_second_build_reuses_the_library(compiler, tmp_path):
+    first = cpu_ops.build_library(tmp_path)
+    mtime = first.stat().st_mtime_ns
+    second = cpu_ops.build_library(tmp_path)
+    assert second == first and second.stat().st_mtime_ns == mtime
+    assert kernel_files(tmp_path) == [first.name]
+    assert cpu_ops.load_library(tmp_path).arborlm_abi_version() == cpu_ops.ABI_VERSION
