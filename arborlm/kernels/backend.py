@@ -5,7 +5,8 @@ A model layer computes q, k, v for the step's new tokens and hands them to an
 over each request's K/V found through `req_to_token`. The model calls
 `init_forward_metadata` once per step, before its layers, so that per-step index
 work is not redone per layer. The torch backend runs `torch_native.py` (the CPU
-path); the Triton backend runs `triton_extend.py` / `triton_decode.py` (the CUDA
+path), with decode steps through the native C++ kernel of `cpu_ops.py` when given
+one; the Triton backend runs `triton_extend.py` / `triton_decode.py` (the CUDA
 path, reading K/V through `req_to_token` with no gather); the reference backend
 runs `reference.py` (the oracle).
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from arborlm.kernels import reference, torch_native
+from arborlm.kernels.cpu_ops import NativeLayerOps
 from arborlm.runtime.batch import ForwardBatch
 from arborlm.runtime.config import ATTENTION_BACKENDS
 
@@ -93,31 +95,68 @@ class ReferenceAttentionBackend(AttentionBackend):
         )
 
 
+@dataclass
+class NativeDecodeMetadata:
+    """A DECODE step for `NativeLayerOps.decode_attention`: the request rows and
+    lengths as contiguous int64 (batch,) tensors, made once per step."""
+
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+
+
 class TorchAttentionBackend(AttentionBackend):
-    """The torch CPU path (`kernels/torch_native.py`): per-step metadata, runs on any device."""
+    """The torch CPU path (`kernels/torch_native.py`): per-step metadata, runs on any device.
+
+    With `native` (the C++ CPU kernels), DECODE steps whose tensors it takes attend
+    through `NativeLayerOps.decode_attention`, which reads K/V in place and needs no
+    per-step gather indices.
+    """
+
+    def __init__(self, native: NativeLayerOps | None = None):
+        self.native = native
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        req_to_token = forward_batch.req_to_token_pool.req_to_token
-        max_len = max(forward_batch.seq_lens_cpu)
-        if forward_batch.forward_mode.is_decode():
-            forward_batch.attn_metadata = torch_native.build_decode_metadata(
-                req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens, max_len,
-                forward_batch.token_to_kv_pool.num_kv_heads,
+        if self.native is not None and forward_batch.forward_mode.is_decode():
+            # The layers check that the kernel takes their tensors, and fall back if not.
+            forward_batch.attn_metadata = NativeDecodeMetadata(
+                forward_batch.req_pool_indices.to(torch.int64).contiguous(),
+                forward_batch.seq_lens.to(torch.int64).contiguous(),
             )
         else:
-            forward_batch.attn_metadata = torch_native.build_extend_step_metadata(
+            forward_batch.attn_metadata = self._torch_metadata(forward_batch)
+
+    @staticmethod
+    def _torch_metadata(forward_batch: ForwardBatch):
+        """`torch_native`'s gather indices and masks for this step."""
+        req_to_token = forward_batch.req_to_token_pool.req_to_token
+        if forward_batch.forward_mode.is_decode():
+            return torch_native.build_decode_metadata(
                 req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
-                forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens,
-                forward_batch.extend_seq_lens_cpu, forward_batch.seq_lens_cpu,
-                forward_batch.token_to_kv_pool.num_kv_heads,
+                max(forward_batch.seq_lens_cpu), forward_batch.token_to_kv_pool.num_kv_heads,
             )
+        return torch_native.build_extend_step_metadata(
+            req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
+            forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens,
+            forward_batch.extend_seq_lens_cpu, forward_batch.seq_lens_cpu,
+            forward_batch.token_to_kv_pool.num_kv_heads,
+        )
 
     def forward(self, q, k, v, layer_id, forward_batch, scale, sliding_window=None, logit_cap=0.0):
         pool = forward_batch.token_to_kv_pool
-        pool.set_kv_buffer(layer_id, forward_batch.out_cache_loc, k, v)
         k_buffer, v_buffer = pool.get_kv_buffer(layer_id)
+        req_to_token = forward_batch.req_to_token_pool.req_to_token
+        if isinstance(forward_batch.attn_metadata, NativeDecodeMetadata):
+            new_kv = (k, v, forward_batch.out_cache_loc)
+            if self.native.can_decode(q, k_buffer, v_buffer, req_to_token, new_kv):
+                meta = forward_batch.attn_metadata
+                return self.native.decode_attention(
+                    q, k_buffer, v_buffer, req_to_token, meta.req_pool_indices, meta.seq_lens,
+                    scale, sliding_window, logit_cap, new_kv=new_kv,
+                )
+            forward_batch.attn_metadata = None
+        pool.set_kv_buffer(layer_id, forward_batch.out_cache_loc, k, v)
         if forward_batch.attn_metadata is None:
-            self.init_forward_metadata(forward_batch)
+            forward_batch.attn_metadata = self._torch_metadata(forward_batch)
         if forward_batch.forward_mode.is_decode():
             return torch_native.decode_attention(
                 q, k_buffer, v_buffer, forward_batch.attn_metadata, scale, sliding_window, logit_cap
@@ -203,13 +242,16 @@ def triton_usable(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def create_attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
+def create_attention_backend(
+    name: str, device: torch.device | str, native: NativeLayerOps | None = None
+) -> AttentionBackend:
     """The attention backend called `name` for `device`.
 
     Parameters
     ----------
     name: "auto" (Triton on CUDA, torch elsewhere), "triton", "torch" or "reference".
     device: where the model runs.
+    native: the C++ CPU kernels, which the torch backend uses for DECODE steps.
 
     Raises
     ------
@@ -228,7 +270,7 @@ def create_attention_backend(name: str, device: torch.device | str) -> Attention
             )
         return TritonAttentionBackend()
     if name == "torch":
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(native)
     if name == "reference":
         return ReferenceAttentionBackend()
     raise ValueError(f"attention_backend={name!r} is invalid: expected one of {ATTENTION_BACKENDS}")

@@ -58,6 +58,10 @@ class ModelConfig:
     attention_backend: str = field(
         default="auto", metadata={"help": "auto (triton on CUDA, torch elsewhere) | triton | torch | reference"}
     )
+    disable_cpu_kernels: bool = field(
+        default=False,
+        metadata={"help": "on the CPU, use torch ops instead of the fused C++ kernels (norm, SwiGLU, rotary, decode)"},
+    )
 
     def __post_init__(self):
         _check_types(self)

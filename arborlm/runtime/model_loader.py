@@ -253,7 +253,11 @@ def iter_safetensors(checkpoint: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    checkpoint: Path, dtype: torch.dtype, device: torch.device, attention_backend: str = "auto"
+    checkpoint: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    attention_backend: str = "auto",
+    cpu_kernels: bool = True,
 ) -> LoadedModel:
     """Build our model for `checkpoint` and load its weights.
 
@@ -263,6 +267,8 @@ def load_model(
     dtype: weights and activations dtype (see `resolve_dtype`).
     device: where the weights live.
     attention_backend: see `kernels.backend.create_attention_backend`.
+    cpu_kernels: use the fused C++ kernels of `kernels/cpu_ops.py` on the CPU
+        (where they build; torch ops otherwise).
 
     Raises
     ------
@@ -280,8 +286,11 @@ def load_model(
         set_cpu_threads()
     hf_config = AutoConfig.from_pretrained(str(checkpoint))
     from arborlm.kernels.backend import create_attention_backend
+    from arborlm.kernels.cpu_ops import layer_ops
 
-    model = LlamaForCausalLM(hf_config, dtype, device, create_attention_backend(attention_backend, device))
+    ops = layer_ops(device, native=cpu_kernels)
+    attn_backend = create_attention_backend(attention_backend, device, ops if ops.native else None)
+    model = LlamaForCausalLM(hf_config, dtype, device, attn_backend, ops)
     model.load_weights(iter_safetensors(checkpoint))
     model.eval()
     return LoadedModel(model=model, hf_config=hf_config, checkpoint=checkpoint)

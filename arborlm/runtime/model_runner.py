@@ -70,7 +70,10 @@ class ModelRunner:
             torch.set_num_threads(os.cpu_count() or 1)
         self.dtype = resolve_dtype(server_args.model.dtype, self.device)
         checkpoint = resolve_checkpoint(server_args.model.model_path)
-        loaded = load_model(checkpoint, self.dtype, self.device, server_args.model.attention_backend)
+        loaded = load_model(
+            checkpoint, self.dtype, self.device, server_args.model.attention_backend,
+            cpu_kernels=not server_args.model.disable_cpu_kernels,
+        )
         self.model, self.hf_config, self.checkpoint = loaded.model, loaded.hf_config, loaded.checkpoint
         self._init_pools()
 

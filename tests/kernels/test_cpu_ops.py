@@ -240,6 +240,15 @@ def test_layouts_the_kernels_skip_take_the_torch_path(ops, make_x):
     torch.testing.assert_close(ops.rms_norm(x, weight, EPS), expected, atol=0, rtol=0)
 
 
+def test_rms_norm_with_a_broadcast_residual_takes_the_torch_path(ops):
+    """A (1, dim) residual broadcasts in torch; the kernel would write past it."""
+    x, weight, residual = randn(4, 33, seed=1), randn(33, seed=2), randn(1, 33, seed=3)
+    expected = LayerOps().rms_norm(x, weight, EPS, residual.clone())
+    out = ops.rms_norm(x, weight, EPS, residual.clone())
+    for got, want in zip(out, expected):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
 def test_rms_norm_with_weight_of_another_dtype_takes_the_torch_path(ops):
     x, weight = randn(4, 33, dtype=torch.bfloat16, seed=1), randn(33, seed=2)
@@ -420,6 +429,8 @@ def unsupported_layouts():
         ("req-to-token-int64", (q, k, v, req_to_token.long(), rpi, seq_lens)),
         ("q-heads-not-multiple", (q[:, :3], k, v, req_to_token, rpi, seq_lens)),
         ("q-last-dim-strided", (q.transpose(1, 2).contiguous().transpose(1, 2), k, v, req_to_token, rpi, seq_lens)),
+        ("q-head-dim-not-the-pool's", (torch.cat([q, q], dim=-1), k, v, req_to_token, rpi, seq_lens)),
+        ("v-shape-not-k's", (q, k, v[:, :1].contiguous(), req_to_token, rpi, seq_lens)),
     ]
 
 

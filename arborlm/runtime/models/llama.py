@@ -5,7 +5,11 @@ Mistral a sliding window, Llama 3 scaled rotary frequencies, SmolLM tied
 embeddings. The layers follow Hugging Face `modeling_llama.py` (and SGLang's
 `models/llama.py` for the fused q/k/v and gate/up projections); attention goes
 through an `AttentionBackend`, which writes K/V into the pool and reads them back
-through `req_to_token`. The model runner calls `forward(forward_batch)` once per step.
+through `req_to_token`; the norms, the SwiGLU activation and the rotary embedding go
+through `LayerOps` (`kernels/cpu_ops.py`: fused C++ kernels on the CPU, torch ops
+elsewhere). The residual stream follows SGLang: each norm takes the previous block's
+output and the residual, adds them and normalises (`fused_add_rms_norm`). The model
+runner calls `forward(forward_batch)` once per step.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch import nn
 from arborlm.errors import ModelLoadError
 from arborlm.kernels import cpu_linear
 from arborlm.kernels.backend import AttentionBackend
+from arborlm.kernels.cpu_ops import LayerOps, RotaryStep, layer_ops
 from arborlm.runtime.batch import ForwardBatch, LogitsOutput
 
 
@@ -52,19 +57,20 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (Hugging Face `LlamaRMSNorm`).
+    """Root-mean-square norm (Hugging Face `LlamaRMSNorm`), accumulated in float32.
 
-    torch's fused kernel accumulates in float32 for bf16/fp16 inputs, so no casts
-    are needed around it; it applies the weight before rounding to x's dtype.
+    `forward(x)` returns the normalised x; `forward(x, residual)` returns
+    `(norm(x + residual), x + residual)` (see `LayerOps.rms_norm`).
     """
 
-    def __init__(self, hidden_size: int, eps: float, dtype, device):
+    def __init__(self, hidden_size: int, eps: float, dtype, device, ops: LayerOps):
         super().__init__()
         self.weight = _param((hidden_size,), dtype, device)
         self.eps = eps
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_parameters(config) -> tuple[float, dict]:
@@ -115,11 +121,11 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """cos/sin of every position up to `max_positions`, precomputed once.
 
-    `cos_sin(positions)` gives two `(num_tokens, 1, head_dim)` tensors in the model
-    dtype; `apply` rotates q and k together (Hugging Face's `rotate_half` layout).
-    The sin table carries `rotate_half`'s sign (its first half negated), so the
-    rotation is a roll and two products instead of slices, a negation and a concat:
-    four ops per layer instead of seven, with bit-identical results (negation is exact).
+    `step(positions)` gives the step's `RotaryStep`, which `LayerOps.rotary_` applies
+    to q and k together (Hugging Face's `rotate_half` layout). The sin table carries
+    `rotate_half`'s sign (its first half negated), so the rotation is a roll and two
+    products instead of slices, a negation and a concat, with bit-identical results
+    (negation is exact).
     """
 
     def __init__(self, config, head_dim: int, max_positions: int, dtype, device):
@@ -132,25 +138,20 @@ class RotaryEmbedding(nn.Module):
         signed_sin = torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], dim=-1)
         self.register_buffer("sin", signed_sin.to(device=device, dtype=dtype), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        """x: (num_tokens, heads, head_dim) -> rotated copy; `signed_sin` from `cos_sin`.
-
-        `x * cos + rotate_half(x) * sin` with `rotate_half(x) = [-x2, x1]`, computed as
-        `roll(x) = [x2, x1]` times `[-sin1, sin2]`.
-        """
-        return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
+    def step(self, positions: torch.Tensor) -> RotaryStep:
+        """The rotary inputs of a step; positions (num_tokens,) int64."""
+        return RotaryStep(positions, self.cos, self.sin)
 
 
 class LlamaAttention(nn.Module):
     """Fused q/k/v projection, rotary embedding, paged attention, output projection."""
 
-    def __init__(self, config, layer_id: int, head_dim: int, dtype, device, attn_backend: AttentionBackend):
+    def __init__(
+        self, config, layer_id: int, head_dim: int, dtype, device, attn_backend: AttentionBackend, ops: LayerOps
+    ):
         super().__init__()
         hidden = config.hidden_size
+        self.ops = ops
         self.layer_id = layer_id
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -165,11 +166,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, hidden, o_bias, dtype, device)
         self.attn_backend = attn_backend
 
-    def forward(self, hidden: torch.Tensor, cos, sin, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, rotary: RotaryStep, forward_batch: ForwardBatch) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = RotaryEmbedding.apply(qk.view(num_tokens, -1, self.head_dim), cos, sin)
+        qk = self.ops.rotary_(qk.view(num_tokens, -1, self.head_dim), rotary)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         o = self.attn_backend.forward(
             q, k, v.view(num_tokens, self.num_kv_heads, self.head_dim),
@@ -190,47 +191,60 @@ def _layer_sliding_window(config, layer_id: int) -> int | None:
 class LlamaMLP(nn.Module):
     """SwiGLU: `down(silu(gate(x)) * up(x))` with gate and up fused."""
 
-    def __init__(self, config, dtype, device):
+    def __init__(self, config, dtype, device, ops: LayerOps):
         super().__init__()
+        self.ops = ops
         bias = bool(getattr(config, "mlp_bias", False))
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias, dtype, device)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention block then pre-norm MLP block, each with a residual."""
+    """Pre-norm attention block then pre-norm MLP block, each with a residual.
 
-    def __init__(self, config, layer_id: int, head_dim: int, dtype, device, attn_backend):
+    `forward` takes and returns `(hidden, residual)`, where the layer's input is
+    `hidden + residual` (residual None for the first layer): the add is fused into
+    the next norm, as in SGLang.
+    """
+
+    def __init__(self, config, layer_id: int, head_dim: int, dtype, device, attn_backend, ops: LayerOps):
         super().__init__()
         eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.self_attn = LlamaAttention(config, layer_id, head_dim, dtype, device, attn_backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.mlp = LlamaMLP(config, dtype, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, ops)
+        self.self_attn = LlamaAttention(config, layer_id, head_dim, dtype, device, attn_backend, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, ops)
+        self.mlp = LlamaMLP(config, dtype, device, ops)
 
-    def forward(self, hidden: torch.Tensor, cos, sin, forward_batch: ForwardBatch) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, forward_batch)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryStep, forward_batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rotary, forward_batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm (Hugging Face's `model.*` weights)."""
 
-    def __init__(self, config, dtype, device, attn_backend: AttentionBackend):
+    def __init__(self, config, dtype, device, attn_backend: AttentionBackend, ops: LayerOps):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = _param((config.vocab_size, config.hidden_size), dtype, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, head_dim, dtype, device, attn_backend)
+            LlamaDecoderLayer(config, i, head_dim, dtype, device, attn_backend, ops)
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops)
         self.rotary_emb = RotaryEmbedding(config, head_dim, config.max_position_embeddings, dtype, device)
         self.attn_backend = attn_backend
 
@@ -238,10 +252,11 @@ class LlamaModel(nn.Module):
         """(num_tokens, hidden_size) hidden states of the new tokens, before the final norm."""
         self.attn_backend.init_forward_metadata(forward_batch)
         hidden = F.embedding(forward_batch.input_ids, self.embed_tokens.weight)
-        cos, sin = self.rotary_emb.cos_sin(forward_batch.positions)
+        rotary = self.rotary_emb.step(forward_batch.positions)
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, forward_batch)
-        return hidden
+            hidden, residual = layer(hidden, residual, rotary, forward_batch)
+        return hidden if residual is None else hidden + residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -252,6 +267,8 @@ class LlamaForCausalLM(nn.Module):
     config: a transformers `LlamaConfig` / `Qwen2Config` / `MistralConfig`.
     dtype, device: of weights and activations (logits are float32).
     attn_backend: how attention reads and writes the KV pool.
+    ops: the norm / activation / rotary implementations; default `layer_ops(device)`
+        (the native CPU kernels where they build, else torch ops).
     """
 
     # Hugging Face projection name -> (our fused parameter, shard)
@@ -260,11 +277,19 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config, dtype: torch.dtype, device: torch.device, attn_backend: AttentionBackend):
+    def __init__(
+        self,
+        config,
+        dtype: torch.dtype,
+        device: torch.device,
+        attn_backend: AttentionBackend,
+        ops: LayerOps | None = None,
+    ):
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.model = LlamaModel(config, dtype, device, attn_backend)
+        self.ops = ops if ops is not None else layer_ops(device)
+        self.model = LlamaModel(config, dtype, device, attn_backend, self.ops)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
         if self.tie_word_embeddings:

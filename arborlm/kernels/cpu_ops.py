@@ -1,0 +1,336 @@
+"""Fused CPU kernels for the decoder layer, built from `csrc/cpu_kernels.cpp` on first use.
+
+On the CPU a decode step of a small model spends as long in the ~40 small torch
+ops of each layer (dispatch, allocation, one pass over memory each) as in its
+matrix products. `NativeLayerOps` runs each group as one C++ kernel, in float32
+with one rounding to the tensor's dtype, as vLLM's and SGLang's CPU kernels do:
+
+- `rms_norm` with the residual add fused (`fused_add_rms_norm`),
+- `silu_and_mul` (SwiGLU's activation on the fused gate/up output),
+- `rotary_` (in place, reading the cos/sin tables at each token's position),
+- `decode_attention` over the paged pool, reading K/V through `req_to_token` in
+  place (no gather, no padding).
+
+`LayerOps` is the same interface in plain torch ops: the fallback, and the oracle
+the native kernels are tested against. The library is compiled with the system
+C++ compiler (`g++ -O3 -march=native -fopenmp`, about a second, no torch headers)
+into `ARBORLM_CACHE/kernels/`, keyed by the source, the flags and the CPU; it is
+called through ctypes. Where it cannot be built (no compiler), `layer_ops` logs
+why once and returns the torch ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from arborlm.envs import ENVS
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+# -ffp-contract=off: no fused multiply-adds, so float32 results round as torch's ops do.
+CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
+ABI_VERSION = 2
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES = {
+    "arborlm_rms_norm": (ctypes.c_int, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _f32),
+    "arborlm_silu_and_mul": (ctypes.c_int, _ptr, _i64, _ptr, _i64, _i64, _i64),
+    "arborlm_rotary": (ctypes.c_int, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr),
+    "arborlm_decode_attention": (
+        ctypes.c_int, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32, _i64, _f32,
+        _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr,
+    ),
+}
+
+
+class KernelBuildError(RuntimeError):
+    """The native CPU kernels could not be compiled or loaded (the message says why)."""
+
+
+def _cpu_signature() -> str:
+    """The CPU's model and flags: `-march=native` code is only valid on the same kind of CPU."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(keep) or platform.machine()
+
+
+def library_path(cache_dir: Path, compiler: str) -> Path:
+    """Where the library built from the current source, flags and CPU lives."""
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CXX_FLAGS).encode(), compiler.encode(), _cpu_signature().encode()):
+        key.update(part)
+    return cache_dir / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+
+
+def build_library(cache_dir: Path) -> Path:
+    """Compile `csrc/cpu_kernels.cpp` into `cache_dir/kernels/` unless already there.
+
+    Raises
+    ------
+    KernelBuildError
+        When no C++ compiler is found or compiling fails.
+    """
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise KernelBuildError("no C++ compiler (g++ or $CXX) on PATH")
+    target = library_path(cache_dir, compiler)
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent processes never load a half-written file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [compiler, *CXX_FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300
+        )
+        if done.returncode != 0:
+            raise KernelBuildError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise KernelBuildError(f"{compiler} could not run: {e}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load_library(cache_dir: Path) -> ctypes.CDLL:
+    """Build (if needed) and load the library, with its functions' signatures set.
+
+    Raises
+    ------
+    KernelBuildError
+        When it cannot be built, loaded, or is of another ABI version.
+    """
+    path = build_library(cache_dir)
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise KernelBuildError(f"cannot load {path}: {e}") from e
+    if lib.arborlm_abi_version() != ABI_VERSION:
+        raise KernelBuildError(f"{path} has ABI {lib.arborlm_abi_version()}, expected {ABI_VERSION}")
+    for name, argtypes in _SIGNATURES.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = None
+    return lib
+
+
+@functools.cache
+def native_library() -> ctypes.CDLL | None:
+    """The loaded library, built once per process; None (logged once) when it cannot be built."""
+    try:
+        return load_library(ENVS.cache_dir)
+    except KernelBuildError as e:
+        logger.warning("native CPU kernels unavailable, using torch ops: %s", e)
+        return None
+
+
+@dataclass
+class RotaryStep:
+    """The rotary inputs of one step, shared by every layer.
+
+    positions: (num_tokens,) int64. cos_table, sin_table: (max_positions, head_dim)
+    in the model dtype, `sin_table` carrying `rotate_half`'s sign (see
+    `models.llama.RotaryEmbedding`). `cos`/`sin` are the tables gathered at the
+    positions, `(num_tokens, 1, head_dim)`, computed on first use (torch path only).
+    """
+
+    positions: torch.Tensor
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
+    _gathered: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._gathered is None:
+            self._gathered = (self.cos_table[self.positions].unsqueeze(1), self.sin_table[self.positions].unsqueeze(1))
+        return self._gathered
+
+
+class LayerOps:
+    """The decoder layer's elementwise groups in plain torch ops (any device, any dtype)."""
+
+    native = False
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Hugging Face `LlamaRMSNorm`; with `residual`, vLLM's `fused_add_rms_norm`.
+
+        x: (tokens, hidden). Without `residual` returns `rms_norm(x) * weight`. With it,
+        returns `(rms_norm(x + residual) * weight, x + residual)`; the native version
+        writes the sum into `residual` in place.
+        """
+        if residual is None:
+            return F.rms_norm(x, weight.shape, weight, eps)
+        residual = x + residual
+        return F.rms_norm(residual, weight.shape, weight, eps), residual
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(tokens, 2 * inter) -> (tokens, inter): `silu(gate) * up`."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rotary_(self, x: torch.Tensor, rotary: RotaryStep) -> torch.Tensor:
+        """Rotate x (tokens, heads, head_dim) by each token's position: Hugging Face's
+        `x * cos + rotate_half(x) * sin`. Returns the rotated tensor (the native version
+        rotates x in place and returns it)."""
+        cos, sin = rotary.cos_sin()
+        return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
+
+
+def _rows_ok(t: torch.Tensor) -> bool:
+    """A CPU tensor of a supported dtype whose last dimension is contiguous."""
+    return t.device.type == "cpu" and t.dtype in _DTYPE_CODES and t.stride(-1) == 1
+
+
+class NativeLayerOps(LayerOps):
+    """`LayerOps` through the C++ kernels; tensors they do not cover (not CPU, not
+    float32/bfloat16, strided rows) take the torch path."""
+
+    native = True
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        ok = (
+            x.dim() == 2 and _rows_ok(x) and _rows_ok(weight) and weight.dtype == x.dtype
+            and weight.shape == x.shape[1:]
+        )
+        if residual is not None:
+            ok = ok and _rows_ok(residual) and residual.dtype == x.dtype and residual.shape == x.shape
+        if not ok:
+            return super().rms_norm(x, weight, eps, residual)
+        rows, dim = x.shape
+        out = torch.empty((rows, dim), dtype=x.dtype)
+        self.lib.arborlm_rms_norm(
+            _DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0),
+            residual.data_ptr() if residual is not None else None, residual.stride(0) if residual is not None else 0,
+            weight.data_ptr(), out.data_ptr(), out.stride(0), rows, dim, eps,
+        )
+        return out if residual is None else (out, residual)
+
+    def silu_and_mul(self, gate_up):
+        if gate_up.dim() != 2 or not _rows_ok(gate_up):
+            return super().silu_and_mul(gate_up)
+        rows, dim = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((rows, dim), dtype=gate_up.dtype)
+        self.lib.arborlm_silu_and_mul(
+            _DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), dim, rows, dim
+        )
+        return out
+
+    def rotary_(self, x, rotary):
+        ok = (
+            x.dim() == 3 and _rows_ok(x) and x.stride(1) == x.shape[2]
+            and rotary.cos_table.dtype == x.dtype and rotary.cos_table.is_contiguous()
+            and rotary.sin_table.is_contiguous() and rotary.positions.dtype == torch.int64
+            and rotary.positions.is_contiguous()
+        )
+        if not ok:
+            return super().rotary_(x, rotary)
+        tokens, heads, head_dim = x.shape
+        self.lib.arborlm_rotary(
+            _DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0), tokens, heads, head_dim,
+            rotary.positions.data_ptr(), rotary.cos_table.data_ptr(), rotary.sin_table.data_ptr(),
+        )
+        return x
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_cap: float = 0.0,
+        new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Decode attention over the paged pool, K/V read in place.
+
+        q: (batch, num_q_heads, head_dim), heads contiguous within a row.
+        k_buffer, v_buffer: (slots, num_kv_heads, head_dim) contiguous, q's dtype.
+        req_to_token: (pool_rows, max_context) int32; req_pool_indices, seq_lens:
+        (batch,) int64 CPU. Semantics as `reference.decode_attention`; indices are the
+        scheduler's and are not range-checked (an out-of-range slot reads out of bounds).
+        sliding_window: None (or 0) = no window.
+        new_kv: `(k, v, out_cache_loc)` to store first (k, v: (batch, num_kv_heads,
+        head_dim), heads contiguous; out_cache_loc: (batch,) int64), as
+        `pool.set_kv_buffer` would.
+
+        Returns (batch, num_q_heads, head_dim) in q's dtype.
+
+        Raises
+        ------
+        ValueError
+            For layouts the kernel does not take (check `can_decode` first).
+        """
+        if not self.can_decode(q, k_buffer, v_buffer, req_to_token, new_kv):
+            raise ValueError("decode_attention: unsupported dtype, device or layout for the native kernel")
+        batch, num_q_heads, head_dim = q.shape
+        out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype)
+        req_pool_indices = req_pool_indices.to(torch.int64).contiguous()
+        seq_lens = seq_lens.to(torch.int64).contiguous()
+        store = (None, 0, None, 0, None)
+        if new_kv is not None:
+            k, v, loc = new_kv
+            loc = loc.to(torch.int64).contiguous()
+            store = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), loc.data_ptr())
+        self.lib.arborlm_decode_attention(
+            _DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), k_buffer.data_ptr(), v_buffer.data_ptr(),
+            req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(), seq_lens.data_ptr(),
+            batch, num_q_heads, k_buffer.shape[1], head_dim, scale, sliding_window or 0, logit_cap,
+            out.data_ptr(), out.stride(0), *store,
+        )
+        return out
+
+    @staticmethod
+    def can_decode(q, k_buffer, v_buffer, req_to_token, new_kv=None) -> bool:
+        """Whether `decode_attention` takes these tensors."""
+        ok = (
+            q.dim() == 3 and _rows_ok(q) and q.stride(1) == q.shape[2]
+            and k_buffer.dtype == q.dtype and v_buffer.dtype == q.dtype
+            and k_buffer.is_contiguous() and v_buffer.is_contiguous() and k_buffer.device.type == "cpu"
+            and k_buffer.dim() == 3 and v_buffer.shape == k_buffer.shape and q.shape[2] == k_buffer.shape[2]
+            and req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1
+            and q.shape[1] % k_buffer.shape[1] == 0
+        )
+        if not ok or new_kv is None:
+            return ok
+        k, v, loc = new_kv
+        return all(
+            t.dtype == q.dtype and t.shape == (q.shape[0],) + tuple(k_buffer.shape[1:])
+            and _rows_ok(t) and t.stride(1) == t.shape[2]
+            for t in (k, v)
+        ) and loc.shape == (q.shape[0],)
+
+
+def layer_ops(device: torch.device | str, native: bool = True) -> LayerOps:
+    """The layer ops for `device`: the native kernels on the CPU when `native` and
+    they build here, else torch ops."""
+    if native and torch.device(device).type == "cpu":
+        lib = native_library()
+        if lib is not None:
+            return NativeLayerOps(lib)
+    return LayerOps()

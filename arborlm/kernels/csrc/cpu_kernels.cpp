@@ -1,0 +1,407 @@
+// Fused CPU kernels for the decoder layer: RMSNorm (with the residual add),
+// SiLU-and-mul, rotary embedding, and paged decode attention.
+//
+// Why: on the CPU a decode step of a small model spends as long in ~40 small
+// torch ops per layer (each a dispatch, an allocation and a pass over memory) as
+// in its matrix products. These kernels do each group in one pass, in float32,
+// rounding once to the tensor's dtype. The same fusions as vLLM's and SGLang's
+// CPU kernels (`fused_add_rms_norm`, `silu_and_mul`, `rotary_embedding`,
+// `decode_attention`); written here from the math, not copied.
+//
+// Plain C ABI over raw pointers, called through ctypes (`cpu_ops.py`), so the
+// library builds in about a second with no torch headers. Dtype codes: 0 =
+// float32, 1 = bfloat16. Row strides are in elements. OpenMP parallelises over
+// rows/heads when the work is large enough to pay for waking the threads.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float bf16_to_f32(uint16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Round to nearest even, as torch's `c10::BFloat16` does; NaN stays a quiet NaN.
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(uint16_t* p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
+
+// Minimum elements per call before OpenMP threads are used.
+constexpr int64_t kParallelWork = 1 << 15;
+
+// exp(x) for float32 by range reduction and a degree-6 polynomial (Cephes
+// `expf`), within 2 ulp; `exp16` below is the same in AVX-512.
+inline float fast_exp(float x) {
+  x = std::fmin(std::fmax(x, -87.3f), 88.7f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return std::ldexp(p, static_cast<int>(n));
+}
+
+#if defined(__AVX512F__)
+// 16 lanes of float32; the loops below run them, then finish the row in scalar code.
+constexpr int64_t kLanes = 16;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+// Round to nearest even, NaN kept quiet: `f32_to_bf16` on 16 lanes.
+inline void store16(uint16_t* p, __m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_add_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#else
+constexpr int64_t kLanes = 0;  // no vector loops: scalar code only
+#endif
+
+// Vector loops cover [0, vector_end(n)); the scalar tail the rest.
+inline int64_t vector_end(int64_t n) { return kLanes ? n - n % (kLanes ? kLanes : 1) : 0; }
+
+template <typename T>
+void rms_norm_rows(const T* x, int64_t x_stride, T* residual, int64_t res_stride, const T* weight, T* out,
+                   int64_t out_stride, int64_t rows, int64_t dim, float eps) {
+  const int64_t vec = vector_end(dim);
+#pragma omp parallel for if (rows * dim >= kParallelWork)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * x_stride;
+    T* outr = out + r * out_stride;
+    T* resr = residual ? residual + r * res_stride : nullptr;
+    // The residual stream keeps the model dtype: round the sum as torch's add does,
+    // then normalise the rounded value.
+    const T* src = xr;
+    if (resr) {
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i < vec; i += kLanes) store16(resr + i, _mm512_add_ps(load16(xr + i), load16(resr + i)));
+#endif
+      for (; i < dim; ++i) store(resr, i, load(xr, i) + load(resr, i));
+      src = resr;
+    }
+    float sum_sq = 0.f;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; i < vec; i += kLanes) {
+      const __m512 v = load16(src + i);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    sum_sq = _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < dim; ++i) sum_sq += load(src, i) * load(src, i);
+    const float rstd = 1.f / std::sqrt(sum_sq / static_cast<float>(dim) + eps);
+    i = 0;
+#if defined(__AVX512F__)
+    const __m512 rstd16 = _mm512_set1_ps(rstd);
+    for (; i < vec; i += kLanes)
+      store16(outr + i, _mm512_mul_ps(_mm512_mul_ps(load16(src + i), rstd16), load16(weight + i)));
+#endif
+    for (; i < dim; ++i) store(outr, i, load(src, i) * rstd * load(weight, i));
+  }
+}
+
+template <typename T>
+void silu_and_mul_rows(const T* gate_up, int64_t in_stride, T* out, int64_t out_stride, int64_t rows,
+                       int64_t dim) {
+  const int64_t vec = vector_end(dim);
+#pragma omp parallel for if (rows * dim >= kParallelWork)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* g = gate_up + r * in_stride;
+    const T* u = g + dim;
+    T* o = out + r * out_stride;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; i < vec; i += kLanes) {
+      const __m512 gv = load16(g + i);
+      const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+      store16(o + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), load16(u + i)));
+    }
+#endif
+    for (; i < dim; ++i) {
+      const float gv = load(g, i);
+      store(o, i, gv * (1.f / (1.f + fast_exp(-gv))) * load(u, i));
+    }
+  }
+}
+
+// x[t, h, :] = x * cos[pos] + roll(x, half) * signed_sin[pos] in place, for the
+// (tokens, heads, head_dim) view at `x` with row stride `token_stride`.
+template <typename T>
+void rotary_rows(T* x, int64_t token_stride, int64_t tokens, int64_t heads, int64_t head_dim,
+                 const int64_t* positions, const T* cos_table, const T* sin_table) {
+  const int64_t half = head_dim / 2;
+  const int64_t vec = vector_end(half);
+#pragma omp parallel for if (tokens * heads * head_dim >= kParallelWork)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* c = cos_table + positions[t] * head_dim;
+    const T* s = sin_table + positions[t] * head_dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      T* v = x + t * token_stride + h * head_dim;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i < vec; i += kLanes) {
+        const __m512 a = load16(v + i), b = load16(v + i + half);
+        const __m512 lo = _mm512_add_ps(_mm512_mul_ps(a, load16(c + i)), _mm512_mul_ps(b, load16(s + i)));
+        const __m512 hi =
+            _mm512_add_ps(_mm512_mul_ps(b, load16(c + i + half)), _mm512_mul_ps(a, load16(s + i + half)));
+        store16(v + i, lo);
+        store16(v + i + half, hi);
+      }
+#endif
+      for (; i < half; ++i) {
+        const float a = load(v, i), b = load(v, i + half);
+        const float lo = a * load(c, i) + b * load(s, i);
+        const float hi = b * load(c, i + half) + a * load(s, i + half);
+        store(v, i, lo);
+        store(v, i + half, hi);
+      }
+    }
+  }
+}
+
+// Scratch of one thread for `decode_one`, reused across its (request, head) items.
+struct DecodeScratch {
+  std::vector<float> scores, acc, q;
+};
+
+// One request, one KV head: every query head of its group attends over the
+// request's keys, read in place from the pool through its `req_to_token` row.
+// Scores and the softmax are float32; each K and V row is loaded once per group.
+template <typename T>
+void decode_one(const T* q, const T* k_buffer, const T* v_buffer, const int32_t* slots, int64_t seq_len,
+                int64_t kv_heads, int64_t head, int64_t group, int64_t head_dim, float scale, int64_t window,
+                float logit_cap, T* out, DecodeScratch& scratch) {
+  const int64_t start = (window > 0 && seq_len > window) ? seq_len - window : 0;
+  const int64_t len = seq_len - start;
+  const int64_t vec = vector_end(head_dim);
+  scratch.scores.resize(group * len);
+  scratch.acc.assign(group * head_dim, 0.f);
+  scratch.q.resize(group * head_dim);
+  float* scores = scratch.scores.data();
+  float* acc = scratch.acc.data();
+  float* qf = scratch.q.data();
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = load(q + (head * group + g) * head_dim, d);
+  for (int64_t t = 0; t < len; ++t) {
+    const T* k = k_buffer + (static_cast<int64_t>(slots[start + t]) * kv_heads + head) * head_dim;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = qf + g * head_dim;
+      float dot = 0.f;
+      int64_t d = 0;
+#if defined(__AVX512F__)
+      __m512 sum = _mm512_setzero_ps();
+      for (; d < vec; d += kLanes) sum = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), load16(k + d), sum);
+      dot = _mm512_reduce_add_ps(sum);
+#endif
+      for (; d < head_dim; ++d) dot += qg[d] * load(k, d);
+      scores[g * len + t] = logit_cap > 0.f ? logit_cap * std::tanh(dot * scale / logit_cap) : dot * scale;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * len;
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < len; ++t) mx = sg[t] > mx ? sg[t] : mx;
+    float denom = 0.f;
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    const __m512 mx16 = _mm512_set1_ps(mx);
+    __m512 sum16 = _mm512_setzero_ps();
+    for (; t < vector_end(len); t += kLanes) {
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mx16));
+      _mm512_storeu_ps(sg + t, e);
+      sum16 = _mm512_add_ps(sum16, e);
+    }
+    denom = _mm512_reduce_add_ps(sum16);
+#endif
+    for (; t < len; ++t) {
+      sg[t] = fast_exp(sg[t] - mx);
+      denom += sg[t];
+    }
+    const float inv = 1.f / denom;
+    for (t = 0; t < len; ++t) sg[t] *= inv;
+  }
+  // probs @ V: one accumulator chain per (head, 16 dims), two keys per iteration
+  // so that the chain's FMA latency is hidden.
+  for (int64_t g = 0; g < group; ++g) {
+    const float* pg = scores + g * len;
+    float* ag = acc + g * head_dim;
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    for (; d < vec; d += kLanes) {
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+      int64_t t = 0;
+      for (; t + 1 < len; t += 2) {
+        const T* v0 = v_buffer + (static_cast<int64_t>(slots[start + t]) * kv_heads + head) * head_dim;
+        const T* v1 = v_buffer + (static_cast<int64_t>(slots[start + t + 1]) * kv_heads + head) * head_dim;
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(pg[t]), load16(v0 + d), a0);
+        a1 = _mm512_fmadd_ps(_mm512_set1_ps(pg[t + 1]), load16(v1 + d), a1);
+      }
+      if (t < len) {
+        const T* v0 = v_buffer + (static_cast<int64_t>(slots[start + t]) * kv_heads + head) * head_dim;
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(pg[t]), load16(v0 + d), a0);
+      }
+      _mm512_storeu_ps(ag + d, _mm512_add_ps(a0, a1));
+    }
+#endif
+    for (int64_t t = 0; d < head_dim && t < len; ++t) {
+      const T* v = v_buffer + (static_cast<int64_t>(slots[start + t]) * kv_heads + head) * head_dim;
+      for (int64_t e = d; e < head_dim; ++e) ag[e] += pg[t] * load(v, e);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < head_dim; ++d) store(out + (head * group + g) * head_dim, d, acc[g * head_dim + d]);
+}
+
+// Copy each new token's K and V (rows of `kv_heads * head_dim`, token stride
+// `*_stride`) into the pool at `loc[token]`.
+template <typename T>
+void store_kv(const T* k_new, int64_t k_stride, const T* v_new, int64_t v_stride, const int64_t* loc, int64_t tokens,
+              int64_t row, T* k_buffer, T* v_buffer) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::memcpy(k_buffer + loc[t] * row, k_new + t * k_stride, row * sizeof(T));
+    std::memcpy(v_buffer + loc[t] * row, v_new + t * v_stride, row * sizeof(T));
+  }
+}
+
+template <typename T>
+void decode_attention(const T* q, int64_t q_stride, const T* k_buffer, const T* v_buffer,
+                      const int32_t* req_to_token, int64_t req_to_token_stride, const int64_t* req_pool_indices,
+                      const int64_t* seq_lens, int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                      float scale, int64_t window, float logit_cap, T* out, int64_t out_stride) {
+  const int64_t group = q_heads / kv_heads;
+  int64_t work = 0;
+  for (int64_t b = 0; b < batch; ++b) work += seq_lens[b];
+  work *= q_heads * head_dim;
+#pragma omp parallel if (work >= kParallelWork)
+  {
+    DecodeScratch scratch;
+#pragma omp for collapse(2) schedule(dynamic, 1)
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t h = 0; h < kv_heads; ++h)
+        decode_one(q + b * q_stride, k_buffer, v_buffer, req_to_token + req_pool_indices[b] * req_to_token_stride,
+                   seq_lens[b], kv_heads, h, group, head_dim, scale, window, logit_cap, out + b * out_stride,
+                   scratch);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int arborlm_abi_version() { return 2; }
+
+// out = rms_norm(x) * weight, or with `residual` non-null: residual += x, then
+// out = rms_norm(residual) * weight (`residual` updated in place).
+void arborlm_rms_norm(int dtype, const void* x, int64_t x_stride, void* residual, int64_t res_stride,
+                      const void* weight, void* out, int64_t out_stride, int64_t rows, int64_t dim, float eps) {
+  if (dtype == 0)
+    rms_norm_rows(static_cast<const float*>(x), x_stride, static_cast<float*>(residual), res_stride,
+                  static_cast<const float*>(weight), static_cast<float*>(out), out_stride, rows, dim, eps);
+  else
+    rms_norm_rows(static_cast<const uint16_t*>(x), x_stride, static_cast<uint16_t*>(residual), res_stride,
+                  static_cast<const uint16_t*>(weight), static_cast<uint16_t*>(out), out_stride, rows, dim, eps);
+}
+
+// out[r, :dim] = silu(gate_up[r, :dim]) * gate_up[r, dim:2*dim].
+void arborlm_silu_and_mul(int dtype, const void* gate_up, int64_t in_stride, void* out, int64_t out_stride,
+                          int64_t rows, int64_t dim) {
+  if (dtype == 0)
+    silu_and_mul_rows(static_cast<const float*>(gate_up), in_stride, static_cast<float*>(out), out_stride, rows,
+                      dim);
+  else
+    silu_and_mul_rows(static_cast<const uint16_t*>(gate_up), in_stride, static_cast<uint16_t*>(out), out_stride,
+                      rows, dim);
+}
+
+void arborlm_rotary(int dtype, void* x, int64_t token_stride, int64_t tokens, int64_t heads, int64_t head_dim,
+                    const int64_t* positions, const void* cos_table, const void* sin_table) {
+  if (dtype == 0)
+    rotary_rows(static_cast<float*>(x), token_stride, tokens, heads, head_dim, positions,
+                static_cast<const float*>(cos_table), static_cast<const float*>(sin_table));
+  else
+    rotary_rows(static_cast<uint16_t*>(x), token_stride, tokens, heads, head_dim, positions,
+                static_cast<const uint16_t*>(cos_table), static_cast<const uint16_t*>(sin_table));
+}
+
+// q: (batch, q_heads, head_dim) with row stride q_stride; k/v_buffer: (slots,
+// kv_heads, head_dim) contiguous; out: (batch, q_heads, head_dim) with row stride
+// out_stride. window <= 0 means no sliding window; logit_cap <= 0 means none.
+// With `out_cache_loc` non-null, first stores the batch's new K/V (`k_new`,
+// `v_new`: (batch, kv_heads, head_dim) with token strides) at those pool slots.
+void arborlm_decode_attention(int dtype, const void* q, int64_t q_stride, const void* k_buffer,
+                              const void* v_buffer, const int32_t* req_to_token, int64_t req_to_token_stride,
+                              const int64_t* req_pool_indices, const int64_t* seq_lens, int64_t batch,
+                              int64_t q_heads, int64_t kv_heads, int64_t head_dim, float scale, int64_t window,
+                              float logit_cap, void* out, int64_t out_stride, const void* k_new, int64_t k_stride,
+                              const void* v_new, int64_t v_stride, const int64_t* out_cache_loc) {
+  const int64_t row = kv_heads * head_dim;
+  if (out_cache_loc && dtype == 0)
+    store_kv(static_cast<const float*>(k_new), k_stride, static_cast<const float*>(v_new), v_stride, out_cache_loc,
+             batch, row, static_cast<float*>(const_cast<void*>(k_buffer)),
+             static_cast<float*>(const_cast<void*>(v_buffer)));
+  else if (out_cache_loc)
+    store_kv(static_cast<const uint16_t*>(k_new), k_stride, static_cast<const uint16_t*>(v_new), v_stride,
+             out_cache_loc, batch, row, static_cast<uint16_t*>(const_cast<void*>(k_buffer)),
+             static_cast<uint16_t*>(const_cast<void*>(v_buffer)));
+  if (dtype == 0)
+    decode_attention(static_cast<const float*>(q), q_stride, static_cast<const float*>(k_buffer),
+                     static_cast<const float*>(v_buffer), req_to_token, req_to_token_stride, req_pool_indices,
+                     seq_lens, batch, q_heads, kv_heads, head_dim, scale, window, logit_cap,
+                     static_cast<float*>(out), out_stride);
+  else
+    decode_attention(static_cast<const uint16_t*>(q), q_stride, static_cast<const uint16_t*>(k_buffer),
+                     static_cast<const uint16_t*>(v_buffer), req_to_token, req_to_token_stride, req_pool_indices,
+                     seq_lens, batch, q_heads, kv_heads, head_dim, scale, window, logit_cap,
+                     static_cast<uint16_t*>(out), out_stride);
+}
+
+}  // extern "C"
