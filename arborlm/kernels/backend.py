@@ -97,11 +97,14 @@ class ReferenceAttentionBackend(AttentionBackend):
 
 @dataclass
 class NativeDecodeMetadata:
-    """A DECODE step for `NativeLayerOps.decode_attention`: the request rows and
-    lengths as contiguous int64 (batch,) tensors, made once per step."""
+    """A DECODE step for `NativeLayerOps.decode_attention`: the request rows,
+    lengths and new K/V slots as contiguous int64 (batch,) tensors, made once per
+    step; `checked` once the first layer's tensors passed `can_decode`."""
 
     req_pool_indices: torch.Tensor
     seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    checked: bool = False
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -121,6 +124,7 @@ class TorchAttentionBackend(AttentionBackend):
             forward_batch.attn_metadata = NativeDecodeMetadata(
                 forward_batch.req_pool_indices.to(torch.int64).contiguous(),
                 forward_batch.seq_lens.to(torch.int64).contiguous(),
+                forward_batch.out_cache_loc.to(torch.int64).contiguous(),
             )
         else:
             forward_batch.attn_metadata = self._torch_metadata(forward_batch)
@@ -145,13 +149,15 @@ class TorchAttentionBackend(AttentionBackend):
         pool = forward_batch.token_to_kv_pool
         k_buffer, v_buffer = pool.get_kv_buffer(layer_id)
         req_to_token = forward_batch.req_to_token_pool.req_to_token
-        if isinstance(forward_batch.attn_metadata, NativeDecodeMetadata):
-            new_kv = (k, v, forward_batch.out_cache_loc)
-            if self.native.can_decode(q, k_buffer, v_buffer, req_to_token, new_kv):
-                meta = forward_batch.attn_metadata
+        meta = forward_batch.attn_metadata
+        if isinstance(meta, NativeDecodeMetadata):
+            new_kv = (k, v, meta.out_cache_loc)
+            if meta.checked or self.native.can_decode(q, k_buffer, v_buffer, req_to_token, new_kv):
+                # Every layer has the same shapes, dtypes and layout: check the first only.
+                meta.checked = True
                 return self.native.decode_attention(
                     q, k_buffer, v_buffer, req_to_token, meta.req_pool_indices, meta.seq_lens,
-                    scale, sliding_window, logit_cap, new_kv=new_kv,
+                    scale, sliding_window, logit_cap, new_kv=new_kv, check=False,
                 )
             forward_batch.attn_metadata = None
         pool.set_kv_buffer(layer_id, forward_batch.out_cache_loc, k, v)

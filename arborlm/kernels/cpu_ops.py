@@ -266,6 +266,7 @@ class NativeLayerOps(LayerOps):
         sliding_window: int | None = None,
         logit_cap: float = 0.0,
         new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        check: bool = True,
     ) -> torch.Tensor:
         """Decode attention over the paged pool, K/V read in place.
 
@@ -278,6 +279,8 @@ class NativeLayerOps(LayerOps):
         new_kv: `(k, v, out_cache_loc)` to store first (k, v: (batch, num_kv_heads,
         head_dim), heads contiguous; out_cache_loc: (batch,) int64), as
         `pool.set_kv_buffer` would.
+        check: False skips `can_decode` when the caller has checked tensors of
+            the same layout (a step checks its first layer only).
 
         Returns (batch, num_q_heads, head_dim) in q's dtype.
 
@@ -286,7 +289,7 @@ class NativeLayerOps(LayerOps):
         ValueError
             For layouts the kernel does not take (check `can_decode` first).
         """
-        if not self.can_decode(q, k_buffer, v_buffer, req_to_token, new_kv):
+        if check and not self.can_decode(q, k_buffer, v_buffer, req_to_token, new_kv):
             raise ValueError("decode_attention: unsupported dtype, device or layout for the native kernel")
         batch, num_q_heads, head_dim = q.shape
         out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype)

@@ -208,6 +208,107 @@ void rotary_rows(T* x, int64_t token_stride, int64_t tokens, int64_t heads, int6
   }
 }
 
+// Softmax over `len` float32 scores in place (max-subtracted).
+inline void softmax_inplace(float* sg, int64_t len) {
+  float mx = -INFINITY;
+  for (int64_t t = 0; t < len; ++t) mx = sg[t] > mx ? sg[t] : mx;
+  float denom = 0.f;
+  int64_t t = 0;
+#if defined(__AVX512F__)
+  const __m512 mx16 = _mm512_set1_ps(mx);
+  __m512 sum16 = _mm512_setzero_ps();
+  for (; t < vector_end(len); t += kLanes) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mx16));
+    _mm512_storeu_ps(sg + t, e);
+    sum16 = _mm512_add_ps(sum16, e);
+  }
+  denom = _mm512_reduce_add_ps(sum16);
+#endif
+  for (; t < len; ++t) {
+    sg[t] = fast_exp(sg[t] - mx);
+    denom += sg[t];
+  }
+  const float inv = 1.f / denom;
+  for (t = 0; t < len; ++t) sg[t] *= inv;
+}
+
+inline float capped(float dot, float scale, float logit_cap) {
+  return logit_cap > 0.f ? logit_cap * std::tanh(dot * scale / logit_cap) : dot * scale;
+}
+
+#if defined(__AVX512F__)
+// Decode attention of G query heads that share one KV head, head_dim = 16 * C:
+// each K/V row is loaded once into C registers and used by all G heads, and the
+// G * C output accumulators stay in registers (G * C <= 16 of the 32 zmm).
+template <typename T, int C, int G>
+void decode_tile(const T* q, const T* k_buffer, const T* v_buffer, const int32_t* slots, int64_t len,
+                 int64_t kv_heads, int64_t head, float scale, float logit_cap, T* out, float* scores) {
+  constexpr int64_t D = 16 * C;
+  __m512 qv[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) qv[g][c] = load16(q + g * D + c * 16);
+  for (int64_t t = 0; t < len; ++t) {
+    const T* k = k_buffer + (static_cast<int64_t>(slots[t]) * kv_heads + head) * D;
+    __m512 kr[C];
+    for (int c = 0; c < C; ++c) kr[c] = load16(k + c * 16);
+    for (int g = 0; g < G; ++g) {
+      __m512 sum = _mm512_mul_ps(qv[g][0], kr[0]);
+      for (int c = 1; c < C; ++c) sum = _mm512_fmadd_ps(qv[g][c], kr[c], sum);
+      scores[g * len + t] = capped(_mm512_reduce_add_ps(sum), scale, logit_cap);
+    }
+  }
+  for (int g = 0; g < G; ++g) softmax_inplace(scores + g * len, len);
+  __m512 acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const T* v = v_buffer + (static_cast<int64_t>(slots[t]) * kv_heads + head) * D;
+    __m512 vr[C];
+    for (int c = 0; c < C; ++c) vr[c] = load16(v + c * 16);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * len + t]);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vr[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) store16(out + g * D + c * 16, acc[g][c]);
+}
+
+// Run `decode_tile<T, C, G>` over the `group` query heads of one KV head, G at a time.
+template <typename T, int C, int G>
+void decode_tiles(const T* q, const T* k_buffer, const T* v_buffer, const int32_t* slots, int64_t len,
+                  int64_t kv_heads, int64_t head, int64_t group, float scale, float logit_cap, T* out,
+                  float* scores) {
+  constexpr int64_t D = 16 * C;
+  for (int64_t g0 = 0; g0 < group; g0 += G)
+    decode_tile<T, C, G>(q + (head * group + g0) * D, k_buffer, v_buffer, slots, len, kv_heads, head, scale,
+                         logit_cap, out + (head * group + g0) * D, scores);
+}
+
+// The register-tiled path for head_dim 64 or 128 and a group size it divides
+// evenly; false when it does not apply (the caller takes the generic path).
+template <typename T>
+bool decode_tiled(const T* q, const T* k_buffer, const T* v_buffer, const int32_t* slots, int64_t len,
+                  int64_t kv_heads, int64_t head, int64_t group, int64_t head_dim, float scale, float logit_cap,
+                  T* out, float* scores) {
+  const auto run = [&](auto tiles) {
+    tiles(q, k_buffer, v_buffer, slots, len, kv_heads, head, group, scale, logit_cap, out, scores);
+    return true;
+  };
+  if (head_dim == 64) {
+    if (group % 4 == 0) return run(decode_tiles<T, 4, 4>);
+    if (group % 3 == 0) return run(decode_tiles<T, 4, 3>);
+    if (group % 2 == 0) return run(decode_tiles<T, 4, 2>);
+    return run(decode_tiles<T, 4, 1>);
+  }
+  if (head_dim == 128) {
+    if (group % 2 == 0) return run(decode_tiles<T, 8, 2>);
+    return run(decode_tiles<T, 8, 1>);
+  }
+  return false;
+}
+#endif
+
 // Scratch of one thread for `decode_one`, reused across its (request, head) items.
 struct DecodeScratch {
   std::vector<float> scores, acc, q;
@@ -224,6 +325,11 @@ void decode_one(const T* q, const T* k_buffer, const T* v_buffer, const int32_t*
   const int64_t len = seq_len - start;
   const int64_t vec = vector_end(head_dim);
   scratch.scores.resize(group * len);
+#if defined(__AVX512F__)
+  if (decode_tiled(q, k_buffer, v_buffer, slots + start, len, kv_heads, head, group, head_dim, scale, logit_cap, out,
+                   scratch.scores.data()))
+    return;
+#endif
   scratch.acc.assign(group * head_dim, 0.f);
   scratch.q.resize(group * head_dim);
   float* scores = scratch.scores.data();
@@ -243,32 +349,10 @@ void decode_one(const T* q, const T* k_buffer, const T* v_buffer, const int32_t*
       dot = _mm512_reduce_add_ps(sum);
 #endif
       for (; d < head_dim; ++d) dot += qg[d] * load(k, d);
-      scores[g * len + t] = logit_cap > 0.f ? logit_cap * std::tanh(dot * scale / logit_cap) : dot * scale;
+      scores[g * len + t] = capped(dot, scale, logit_cap);
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores + g * len;
-    float mx = -INFINITY;
-    for (int64_t t = 0; t < len; ++t) mx = sg[t] > mx ? sg[t] : mx;
-    float denom = 0.f;
-    int64_t t = 0;
-#if defined(__AVX512F__)
-    const __m512 mx16 = _mm512_set1_ps(mx);
-    __m512 sum16 = _mm512_setzero_ps();
-    for (; t < vector_end(len); t += kLanes) {
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mx16));
-      _mm512_storeu_ps(sg + t, e);
-      sum16 = _mm512_add_ps(sum16, e);
-    }
-    denom = _mm512_reduce_add_ps(sum16);
-#endif
-    for (; t < len; ++t) {
-      sg[t] = fast_exp(sg[t] - mx);
-      denom += sg[t];
-    }
-    const float inv = 1.f / denom;
-    for (t = 0; t < len; ++t) sg[t] *= inv;
-  }
+  for (int64_t g = 0; g < group; ++g) softmax_inplace(scores + g * len, len);
   // probs @ V: one accumulator chain per (head, 16 dims), two keys per iteration
   // so that the chain's FMA latency is hidden.
   for (int64_t g = 0; g < group; ++g) {
