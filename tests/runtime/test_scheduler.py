@@ -33,9 +33,12 @@ def make_scheduler(tiny_llama_dir, tiny_tokenizer):
     return make
 
 
-def test_continuous_batching_matches_reference(make_scheduler, tiny_hf_model):
-    """Ragged prompts with different lengths join and leave the batch; tokens equal greedy HF."""
-    sched = make_scheduler()
+@pytest.mark.parametrize("disable_cpu_kernels", [False, True], ids=["cpu-kernels", "torch-ops"])
+def test_continuous_batching_matches_reference(make_scheduler, tiny_hf_model, disable_cpu_kernels):
+    """Ragged prompts with different lengths join and leave the batch; tokens equal greedy HF,
+    with the fused C++ CPU kernels and with plain torch ops."""
+    sched = make_scheduler(disable_cpu_kernels=disable_cpu_kernels)
+    assert sched.model_runner.model.ops.native is not disable_cpu_kernels
     ps = prompts(5, 3, 40)
     lengths = [4, 12, 7, 20, 9]
     reqs = [make_req(f"r{i}", p, max_new_tokens=n, ignore_eos=True) for i, (p, n) in enumerate(zip(ps, lengths))]

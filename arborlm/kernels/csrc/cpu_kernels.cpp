@@ -237,6 +237,15 @@ inline float capped(float dot, float scale, float logit_cap) {
 }
 
 #if defined(__AVX512F__)
+// How many K/V rows ahead `decode_tile` prefetches.
+constexpr int64_t kPrefetchRows = 8;
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t n) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+
 // Decode attention of G query heads that share one KV head, head_dim = 16 * C:
 // each K/V row is loaded once into C registers and used by all G heads, and the
 // G * C output accumulators stay in registers (G * C <= 16 of the 32 zmm).
@@ -249,6 +258,9 @@ void decode_tile(const T* q, const T* k_buffer, const T* v_buffer, const int32_t
     for (int c = 0; c < C; ++c) qv[g][c] = load16(q + g * D + c * 16);
   for (int64_t t = 0; t < len; ++t) {
     const T* k = k_buffer + (static_cast<int64_t>(slots[t]) * kv_heads + head) * D;
+    // Rows are found through `slots`, which the hardware prefetcher cannot follow.
+    if (t + kPrefetchRows < len)
+      prefetch_row(k_buffer + (static_cast<int64_t>(slots[t + kPrefetchRows]) * kv_heads + head) * D, D);
     __m512 kr[C];
     for (int c = 0; c < C; ++c) kr[c] = load16(k + c * 16);
     for (int g = 0; g < G; ++g) {
@@ -263,6 +275,8 @@ void decode_tile(const T* q, const T* k_buffer, const T* v_buffer, const int32_t
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < len; ++t) {
     const T* v = v_buffer + (static_cast<int64_t>(slots[t]) * kv_heads + head) * D;
+    if (t + kPrefetchRows < len)
+      prefetch_row(v_buffer + (static_cast<int64_t>(slots[t + kPrefetchRows]) * kv_heads + head) * D, D);
     __m512 vr[C];
     for (int c = 0; c < C; ++c) vr[c] = load16(v + c * 16);
     for (int g = 0; g < G; ++g) {
