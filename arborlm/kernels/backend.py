@@ -167,12 +167,20 @@ class TorchAttentionBackend(AttentionBackend):
             return torch_native.decode_attention(
                 q, k_buffer, v_buffer, forward_batch.attn_metadata, scale, sliding_window, logit_cap
             )
-        attend = (
-            torch_native.mixed_attention
-            if isinstance(forward_batch.attn_metadata, torch_native.MixedMetadata)
-            else torch_native.extend_attention
+        meta = forward_batch.attn_metadata
+        if not isinstance(meta, torch_native.MixedMetadata):
+            return torch_native.extend_attention(q, k_buffer, v_buffer, meta, scale, sliding_window, logit_cap)
+        decode = None
+        if self.native is not None and self.native.can_decode(q, k_buffer, v_buffer, req_to_token):
+            # The decode tokens riding along a prefill take the native kernel (K/V already stored).
+            def decode(q_single: torch.Tensor) -> torch.Tensor:
+                return self.native.decode_attention(
+                    q_single, k_buffer, v_buffer, req_to_token, meta.single_req_pool_indices, meta.decode.seq_lens,
+                    scale, sliding_window, logit_cap, check=False,
+                )
+        return torch_native.mixed_attention(
+            q, k_buffer, v_buffer, meta, scale, sliding_window, logit_cap, decode=decode
         )
-        return attend(q, k_buffer, v_buffer, forward_batch.attn_metadata, scale, sliding_window, logit_cap)
 
 
 @dataclass
