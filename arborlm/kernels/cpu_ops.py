@@ -197,8 +197,11 @@ class LayerOps:
 
 
 def _rows_ok(t: torch.Tensor) -> bool:
-    """A CPU tensor of a supported dtype whose last dimension is contiguous."""
-    return t.device.type == "cpu" and t.dtype in _DTYPE_CODES and t.stride(-1) == 1
+    """A CPU tensor of a supported dtype whose last dimension is contiguous.
+
+    Called several times per layer: uses the cheapest tensor attributes (`is_cpu`,
+    not `device.type`)."""
+    return t.is_cpu and t.dtype in _DTYPE_CODES and t.stride(-1) == 1
 
 
 class NativeLayerOps(LayerOps):
