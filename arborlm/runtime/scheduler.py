@@ -224,17 +224,21 @@ class Scheduler:
         )
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        """Jump-forward extends first, then prefill; otherwise every running request decodes one token."""
+        """Jump-forward extends (with new prompts beside them), else prefill; otherwise every
+        running request decodes one token."""
         if self.jump_forward_reqs:
             self.prepare_decode_memory()  # may retract jumping requests too
         if self.jump_forward_reqs:
             # One extend step runs the forced tokens and, as one-token extends, every running
-            # request's decode token: jumping never costs the others a forward pass.
-            reqs, self.jump_forward_reqs = self.running + self.jump_forward_reqs, []
+            # request's decode token: jumping never costs the others a forward pass. New
+            # prompts are admitted into the same step, so a jump never delays a first token.
+            jumping, self.jump_forward_reqs = self.jump_forward_reqs, []
+            reqs = self.running + jumping
             for req in reqs:
                 req.extend_input_len = req.seqlen - req.kv_len
             self.stats["num_jump_forward_steps"] += 1
-            return ScheduleBatch(reqs, ForwardMode.EXTEND)
+            admitted = self.get_new_batch_prefill(alongside=jumping)
+            return ScheduleBatch(reqs + (admitted.reqs if admitted is not None else []), ForwardMode.EXTEND)
         batch = self.get_new_batch_prefill()
         if batch is not None:
             self.mix_running_into(batch)
@@ -244,8 +248,15 @@ class Scheduler:
         self.prepare_decode_memory()
         return ScheduleBatch(list(self.running), ForwardMode.DECODE)
 
-    def get_new_batch_prefill(self) -> ScheduleBatch | None:
-        """Admit waiting requests (and the next chunk of the chunked one) by policy."""
+    def get_new_batch_prefill(self, alongside: list[Req] | None = None) -> ScheduleBatch | None:
+        """Admit waiting requests (and the next chunk of the chunked one) by policy.
+
+        alongside: requests (jumping forward) that run in the same step besides the
+        running ones: their future tokens are reserved like the running requests',
+        and the tokens they and the running requests extend by in this step are taken
+        off the budget first.
+        """
+        alongside = alongside or []
         sched = self.server_args.scheduler
         if self.chunked_req is None and not self.waiting_queue:
             return None
@@ -257,7 +268,9 @@ class Scheduler:
             new_token_ratio=self.new_token_ratio,
             context_length=self.model_runner.context_length,
         )
-        adder.reserve_running(self.running)
+        adder.reserve_running(self.running + alongside)
+        if alongside:
+            adder.rem_total_tokens -= step_tokens(self.running + alongside)
         matches = {}
         if self.chunked_req is not None:
             # The next chunk must fit in the pool now: shrink it to the room left, or wait for
@@ -274,9 +287,9 @@ class Scheduler:
                 break
             if req.rid in self.policy.deprioritized:
                 continue
-            if len(self.running) + len(adder.can_run_list) >= self.model_runner.max_running_requests:
+            if len(self.running) + len(alongside) + len(adder.can_run_list) >= self.model_runner.max_running_requests:
                 break
-            if not self._admit(req, adder, matches.get(req.rid)):
+            if not self._admit(req, adder, matches.get(req.rid), nothing_running=not (self.running or alongside)):
                 break
             self.waiting_queue.remove(req)
         self.chunked_req = adder.new_chunked_req
@@ -302,8 +315,9 @@ class Scheduler:
         batch.reqs = self.running + batch.reqs
         self.stats["num_mixed_steps"] += 1
 
-    def _admit(self, req: Req, adder: PrefillAdder, match: MatchResult | None) -> bool:
-        """Lock the cached prefix (`match`, or a fresh one) and try to add `req`."""
+    def _admit(self, req: Req, adder: PrefillAdder, match: MatchResult | None, nothing_running: bool) -> bool:
+        """Lock the cached prefix (`match`, or a fresh one) and try to add `req`
+        (`nothing_running`: no other request runs in this step)."""
         if match is None:
             match = self.tree_cache.match_prefix(req.prefix_match_key(), req.cache_salt)
         prefix_len = len(match.device_indices)
@@ -312,7 +326,7 @@ class Scheduler:
         # whose prefix filled the cache found no slot for its extend and was aborted.
         unlocked = self.tree_cache.inc_lock_ref(match.last_node)
         adder.rem_total_tokens += unlocked
-        if not adder.add_one_req(req, prefix_len, nothing_running=not self.running):
+        if not adder.add_one_req(req, prefix_len, nothing_running=nothing_running):
             adder.rem_total_tokens += self.tree_cache.dec_lock_ref(match.last_node)
             return False
         rows = self.req_to_token_pool.alloc(1)

@@ -93,6 +93,42 @@ def test_json_schema_outputs_validate_and_jump_forward_saves_steps(sched):
     assert sched.stats["num_jump_forward_steps"] > before["num_jump_forward_steps"]
 
 
+def test_new_prompt_joins_a_jump_forward_step(tiny_llama_dir, tiny_tokenizer):
+    """A prompt arriving while another request jumps forward is prefilled in that very
+    step (its first token one step after it arrives), and both outputs stay right."""
+    s = create_scheduler(tiny_llama_dir, tiny_tokenizer, max_total_tokens=8192, disable_jump_forward=False)
+    tokens: dict[str, list[int]] = {"j": [], "new": []}
+    finish = {}
+
+    def step():
+        outs = s.step()
+        for out in outs:
+            tokens[out.rid] += out.new_token_ids
+            if out.finish_reason is not None:
+                finish[out.rid] = out.finish_reason
+        return outs
+
+    s.add_request(constrained_req("j", seed=1, json_schema=SCHEMA, max_new_tokens=128))
+    for _ in range(20):
+        if s.jump_forward_reqs:
+            break
+        step()
+    assert s.jump_forward_reqs, "the schema forces tokens after the first one"
+    s.add_request(make_req("new", [5, 77, 901, 3], max_new_tokens=6, ignore_eos=True))
+    jumps = s.stats["num_jump_forward_steps"]
+    outs = step()
+    assert s.stats["num_jump_forward_steps"] == jumps + 1
+    assert [len(o.new_token_ids) > 0 for o in outs if o.rid == "new"] == [True]
+    for _ in range(500):
+        if not s.has_work():
+            break
+        step()
+    assert finish["new"] == {"type": "length", "length": 6} and len(tokens["new"]) == 6
+    assert finish["j"]["type"] == "stop"
+    jsonschema.validate(json.loads(s.tokenizer.decode(tokens["j"], skip_special_tokens=True)), SCHEMA)
+    assert_idle_pools(s)
+
+
 def test_jump_forward_off_gives_valid_output_with_more_decode_steps(tiny_llama_dir, tiny_tokenizer):
     steps = {}
     for off in (False, True):
