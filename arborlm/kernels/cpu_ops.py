@@ -214,20 +214,25 @@ class NativeLayerOps(LayerOps):
         self.lib = lib
 
     def rms_norm(self, x, weight, eps, residual=None):
+        # Called twice per layer: the checks use the cheapest tensor attributes.
+        dtype, shape = x.dtype, x.shape
         ok = (
-            x.dim() == 2 and _rows_ok(x) and _rows_ok(weight) and weight.dtype == x.dtype
-            and weight.shape == x.shape[1:]
+            len(shape) == 2 and _rows_ok(x) and weight.dtype is dtype and weight.is_contiguous()
+            and weight.shape == shape[1:]
         )
         if residual is not None:
-            ok = ok and _rows_ok(residual) and residual.dtype == x.dtype and residual.shape == x.shape
+            ok = ok and residual.dtype is dtype and residual.shape == shape and _rows_ok(residual)
         if not ok:
             return super().rms_norm(x, weight, eps, residual)
-        rows, dim = x.shape
-        out = torch.empty((rows, dim), dtype=x.dtype)
+        rows, dim = shape
+        out = torch.empty(shape, dtype=dtype)
+        if residual is None:
+            res_ptr, res_stride = None, 0
+        else:
+            res_ptr, res_stride = residual.data_ptr(), residual.stride(0)
         self.lib.arborlm_rms_norm(
-            _DTYPE_CODES[x.dtype], x.data_ptr(), x.stride(0),
-            residual.data_ptr() if residual is not None else None, residual.stride(0) if residual is not None else 0,
-            weight.data_ptr(), out.data_ptr(), out.stride(0), rows, dim, eps,
+            _DTYPE_CODES[dtype], x.data_ptr(), x.stride(0), res_ptr, res_stride,
+            weight.data_ptr(), out.data_ptr(), dim, rows, dim, eps,
         )
         return out if residual is None else (out, residual)
 
