@@ -102,20 +102,27 @@ def rotary_tables(max_positions: int, head_dim: int, dtype) -> tuple[torch.Tenso
 # ---------------------------------------------------------------- rms_norm
 
 
-@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
-@pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("dim", DIMS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def row_cases(test):
+    """Parametrize `test` over every dtype x dim x rows x (contiguous | strided rows)."""
+    for mark in (
+        pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"]),
+        pytest.mark.parametrize("rows", ROWS),
+        pytest.mark.parametrize("dim", DIMS),
+        pytest.mark.parametrize("dtype", DTYPES, ids=str),
+    ):
+        test = mark(test)
+    return test
+
+
+
+@row_cases
 def test_rms_norm_matches_torch(ops, dtype, dim, rows, strided):
     x, weight = rows_of(rows, dim, dtype, 1, strided), randn(dim, dtype=dtype, seed=2)
     out = ops.rms_norm(x, weight, EPS)
     assert_matches(out, LayerOps().rms_norm(x, weight, EPS))
 
 
-@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
-@pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("dim", DIMS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@row_cases
 def test_fused_add_rms_norm_updates_residual_in_place(ops, dtype, dim, rows, strided):
     x, weight = rows_of(rows, dim, dtype, 1, strided), randn(dim, dtype=dtype, seed=2)
     wide_residual = randn(rows, dim + 9, dtype=dtype, seed=3)

@@ -240,10 +240,18 @@ inline float capped(float dot, float scale, float logit_cap) {
 // How many K/V rows ahead `decode_tile` prefetches.
 constexpr int64_t kPrefetchRows = 8;
 
-template <typename T>
-inline void prefetch_row(const T* row, int64_t n) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+// Row `t` of one KV head in a pool layer: `buffer[slots[t], head, :]`, D elements.
+// Also prefetches row t + kPrefetchRows: rows are found through `slots`, which the
+// hardware prefetcher cannot follow.
+template <typename T, int64_t D>
+inline const T* pool_row(const T* buffer, const int32_t* slots, int64_t t, int64_t len, int64_t kv_heads,
+                         int64_t head) {
+  if (t + kPrefetchRows < len) {
+    const char* ahead =
+        reinterpret_cast<const char*>(buffer + (static_cast<int64_t>(slots[t + kPrefetchRows]) * kv_heads + head) * D);
+    for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+  }
+  return buffer + (static_cast<int64_t>(slots[t]) * kv_heads + head) * D;
 }
 
 // Decode attention of G query heads that share one KV head, head_dim = 16 * C:
@@ -257,10 +265,7 @@ void decode_tile(const T* q, const T* k_buffer, const T* v_buffer, const int32_t
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) qv[g][c] = load16(q + g * D + c * 16);
   for (int64_t t = 0; t < len; ++t) {
-    const T* k = k_buffer + (static_cast<int64_t>(slots[t]) * kv_heads + head) * D;
-    // Rows are found through `slots`, which the hardware prefetcher cannot follow.
-    if (t + kPrefetchRows < len)
-      prefetch_row(k_buffer + (static_cast<int64_t>(slots[t + kPrefetchRows]) * kv_heads + head) * D, D);
+    const T* k = pool_row<T, D>(k_buffer, slots, t, len, kv_heads, head);
     __m512 kr[C];
     for (int c = 0; c < C; ++c) kr[c] = load16(k + c * 16);
     for (int g = 0; g < G; ++g) {
@@ -274,9 +279,7 @@ void decode_tile(const T* q, const T* k_buffer, const T* v_buffer, const int32_t
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < len; ++t) {
-    const T* v = v_buffer + (static_cast<int64_t>(slots[t]) * kv_heads + head) * D;
-    if (t + kPrefetchRows < len)
-      prefetch_row(v_buffer + (static_cast<int64_t>(slots[t + kPrefetchRows]) * kv_heads + head) * D, D);
+    const T* v = pool_row<T, D>(v_buffer, slots, t, len, kv_heads, head);
     __m512 vr[C];
     for (int c = 0; c < C; ++c) vr[c] = load16(v + c * 16);
     for (int g = 0; g < G; ++g) {
