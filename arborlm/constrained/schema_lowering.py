@@ -1,0 +1,357 @@
+"""Phase B of the JSON schema normaliser, lowering: maps a phase A schema to what
+xgrammar compiles and enforces, refusing (or, when lenient, dropping) what it would
+silently ignore.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from arborlm.constrained.json_values import mutually_exclusive
+from arborlm.constrained.schema_nodes import (
+    _DEFS_PREFIX,
+    _FAMILY_KEYWORDS,
+    INT64_MAX,
+    INT64_MIN,
+    XGRAMMAR_MULTIPLE_OF_SPAN,
+    Schema,
+    _canon,
+    _escape,
+    _lower_bound,
+    _set_bounds,
+    _type_set,
+    _upper_bound,
+)
+from arborlm.constrained.schema_patterns import (
+    exclude_words,
+    full_match_pattern,
+    has_lookaround,
+    is_vacuous,
+    pattern_search,
+    pattern_with_lengths,
+    separator_first_repeat,
+    strip_lookarounds,
+    xgrammar_regex_error,
+)
+
+
+class SchemaLowering:
+    """Phase B lowering of `schema_normaliser._Normaliser` (a base class of it).
+
+    Uses the host's `problem` (with ``phase_b=True``), `merge`, `_combine` and
+    `governing` (from `SchemaMerge`), and the state its driver `run` sets up:
+    `checker` (a validator over the phase A document), `defs_b`, `pending_b` and
+    `false_defs`. It never mutates phase A's nodes.
+    """
+
+    # -- phase B: lowering ---------------------------------------------------
+
+    def lower(self, node: Schema, path: str) -> Schema:
+        """The form xgrammar compiles of the phase A schema ``node``."""
+        if node is False or node == {}:
+            return node
+        if "$ref" in node:
+            name = node["$ref"][len(_DEFS_PREFIX) :]
+            if name in self.false_defs:
+                return False
+            if name not in self.defs_b and name not in self.pending_b:
+                self.defs_b[name] = {}  # placeholder, so each def is queued once
+                self.pending_b.append(name)
+            return {"$ref": node["$ref"]}
+        for key in ("anyOf", "oneOf"):
+            if key in node:
+                branches = [self.lower(b, f"{path}/{key}/{i}") for i, b in enumerate(node[key])]
+                if key == "oneOf" and mutually_exclusive(branches):
+                    key = "anyOf"  # the same language, without xgrammar's "falling back to anyOf" warning
+                return self._combine(key, branches, path)
+        if "enum" in node:
+            return self._lower_enum(node)
+        return self._lower_plain(node, path)
+
+    def _lower_enum(self, node: dict) -> Schema:
+        rest = {k: v for k, v in node.items() if k != "enum"}
+        values = node["enum"]
+        if rest:
+            check = self.checker.evolve(schema=rest)
+            values = [v for v in values if check.is_valid(v)]
+        return {"enum": values} if values else False
+
+    def _lower_plain(self, node: dict, path: str) -> Schema:
+        types = node.get("type")
+        if types is None:
+            families = [f for f, keys in _FAMILY_KEYWORDS.items() if any(k in node for k in keys)]
+            if not families:
+                return {}
+            types = _type_set(families)
+        out: dict = {}
+        alive = []
+        for t in types:
+            if t in ("number", "integer"):
+                kept = self._lower_number(node, t, out, path)
+            elif t == "string":
+                kept = t if self._lower_string(node, out, path, types == ["string"]) else None
+            elif t == "array":
+                kept = t if self._lower_array(node, out, path) else None
+            elif t == "object":
+                kept = t if self._lower_object(node, out, path) else None
+            else:
+                kept = t
+            if kept is not None:
+                alive.append(kept)
+        if not alive:
+            return False
+        out["type"] = alive[0] if len(alive) == 1 else _type_set(alive)
+        return out
+
+    def _lower_number(self, node: dict, t: str, out: dict, path: str) -> str | None:
+        """Write the numeric keywords into ``out``; the type kept ("number", "integer") or None."""
+        lower, upper = _lower_bound(node), _upper_bound(node)
+        step = node.get("multipleOf")
+        if step is not None and t == "number":
+            if float(step).is_integer():
+                t = "integer"  # narrower: multiples of an integer that are not integers are lost
+            else:
+                self.problem("multipleOf", path, "xgrammar enforces multipleOf on integers only", True)
+                step = None
+        if t == "number":
+            if lower is not None and upper is not None:
+                if lower[0] > upper[0] or (lower[0] == upper[0] and (lower[1] or upper[1])):
+                    return None
+            _set_bounds(out, lower, upper)
+            return t
+        low = None if lower is None else (math.floor(lower[0]) + 1 if lower[1] else math.ceil(lower[0]))
+        high = None if upper is None else (math.ceil(upper[0]) - 1 if upper[1] else math.floor(upper[0]))
+        low = None if low is None else max(low, INT64_MIN)  # narrower beyond int64
+        high = None if high is None else min(high, INT64_MAX)
+        if low is not None and high is not None and low > high:
+            return None
+        _set_bounds(out, None if low is None else (low, False), None if high is None else (high, False))
+        if step is None:
+            return t
+        if not float(step).is_integer():
+            self.problem("multipleOf", path, "a fractional multipleOf on integers", True)
+        elif int(step) != 1:
+            if (low is None) != (high is None) or (low is not None and high - low >= XGRAMMAR_MULTIPLE_OF_SPAN):
+                self.problem("multipleOf", path, "xgrammar ignores multipleOf with one bound or with a span "
+                                                 f"of {XGRAMMAR_MULTIPLE_OF_SPAN} or more", True)
+            else:
+                out["multipleOf"] = int(step)
+        return t
+
+    def _lower_string(self, node: dict, out: dict, path: str, only_string: bool) -> bool:
+        min_length, max_length = node.get("minLength", 0), node.get("maxLength")
+        if max_length is not None and min_length > max_length:
+            return False
+        pattern = node.get("pattern")
+        if pattern is not None:
+            pattern = self._usable_pattern(pattern, path)
+        if pattern is not None:
+            pattern = full_match_pattern(pattern)
+            if min_length > 0 or max_length is not None:
+                combined = pattern_with_lengths(pattern, min_length, max_length)
+                if combined == "":
+                    return False
+                if combined is None:
+                    self.problem("minLength" if min_length > 0 else "maxLength", path,
+                                 f"xgrammar ignores string lengths beside a pattern ({pattern!r})", True)
+                else:
+                    pattern = combined
+                min_length, max_length = 0, None
+            out["pattern"] = separator_first_repeat(pattern)
+        if min_length > 0:
+            out["minLength"] = min_length
+        if max_length is not None:
+            out["maxLength"] = max_length
+        if "format" in node and only_string and pattern is None and min_length == 0 and max_length is None:
+            out["format"] = node["format"]
+        return True
+
+    def _usable_pattern(self, pattern: str, path: str) -> str | None:
+        """The pattern xgrammar can enforce; None when it says nothing or has to be dropped."""
+        if is_vacuous(pattern):
+            return None
+        if re.match(r"\(\?[a-zA-Z]+\)", pattern):
+            self.problem("pattern", path, f"inline flags in {pattern!r} are not ECMA-262 syntax", True)
+            return None
+        if has_lookaround(pattern):
+            self.problem("pattern", path, f"lookaround in {pattern!r} is not supported", True)
+            pattern = strip_lookarounds(pattern)
+        error = xgrammar_regex_error(full_match_pattern(pattern))
+        if error is not None:
+            self.problem("pattern", path, f"{pattern!r}: {error}", True)
+            return None
+        return pattern
+
+    def _lower_array(self, node: dict, out: dict, path: str) -> bool:
+        prefix = [self.lower(s, f"{path}/prefixItems/{i}") for i, s in enumerate(node.get("prefixItems", []))]
+        min_items, max_items = node.get("minItems", 0), node.get("maxItems")
+        for i, s in enumerate(prefix):
+            if s is False:  # no array reaches position i
+                prefix = prefix[:i]
+                max_items = i if max_items is None else min(max_items, i)
+                break
+        if max_items is not None:
+            prefix = prefix[:max_items]  # positions no array reaches
+        items = self.lower(node["items"], f"{path}/items") if "items" in node else {}
+        if items is False:
+            max_items = len(prefix) if max_items is None else min(max_items, len(prefix))
+        if max_items is not None and min_items > max_items:
+            return False
+        if prefix:
+            out["prefixItems"] = prefix
+        if items is False or items != {} or not prefix or min_items > len(prefix):
+            out["items"] = items  # strict mode: without `items`, xgrammar allows no (more) items
+        if min_items > 0:
+            out["minItems"] = min_items
+        if max_items is not None:
+            out["maxItems"] = max_items
+        return True
+
+    def _lower_object(self, node: dict, out: dict, path: str) -> bool:
+        """Write the object keywords into ``out``; False when no object satisfies them."""
+        patterns = node.get("patternProperties", {})
+        required = node.get("required", [])
+        names = dict(node.get("properties", {}))
+        for name in required:
+            if name not in names:
+                names[name] = self.governing(node, name, path)
+        for name in node.get("properties", {}):
+            matching = [s for p, s in patterns.items() if pattern_search(p, name)]
+            if matching:
+                names[name] = self.merge([names[name], *matching], path)
+        property_names = self.lower(node.get("propertyNames", {}), f"{path}/propertyNames")
+        bad_names: set[str] = set()  # excluded by propertyNames itself
+        if property_names not in ({}, False):
+            check = self.checker.evolve(schema=node["propertyNames"])
+            bad_names = {n for n in names if not check.is_valid(n)}
+        listed = {n: False if n in bad_names else self.lower(s, f"{path}/properties/{_escape(n)}")
+                  for n, s in names.items()}
+        if any(listed[n] is False for n in required):
+            return False
+        max_properties = 0 if property_names is False else node.get("maxProperties")
+        if max_properties is not None and len(required) > max_properties:
+            return False
+        additional = node.get("additionalProperties")
+        additional = None if additional is None else self.lower(additional, f"{path}/additionalProperties")
+        lowered_patterns = {p: self.lower(s, f"{path}/patternProperties/{_escape(p)}")
+                            for p, s in patterns.items()}
+        additional, lowered_patterns = self._drop_false_patterns(additional, lowered_patterns, path)
+        forbidden = [n for n, s in listed.items() if s is False and n not in bad_names]
+        listed = {n: s for n, s in listed.items() if s is not False}
+        additional, lowered_patterns = self._close_patterns(listed, forbidden, additional, lowered_patterns, path)
+        if additional is False and not lowered_patterns:
+            property_names = {}  # only listed names remain, and they were checked against it
+        if property_names not in ({}, False):
+            additional, lowered_patterns, property_names = self._lower_property_names(
+                listed, property_names, additional, lowered_patterns, path)
+        min_properties = node.get("minProperties", 0)
+        if min_properties > len(listed) and not lowered_patterns:
+            if additional is False:
+                return False
+            if additional is None:
+                additional = {}  # strict mode would allow only the listed properties
+        if listed:
+            out["properties"] = listed
+        if required:
+            out["required"] = list(required)
+        if additional is not None:
+            out["additionalProperties"] = additional
+        if lowered_patterns:
+            out["patternProperties"] = lowered_patterns
+        if property_names not in ({}, False):
+            out["propertyNames"] = property_names
+        if min_properties > 0:
+            out["minProperties"] = min_properties
+        if max_properties is not None:
+            out["maxProperties"] = max_properties
+        return True
+
+    def _drop_false_patterns(self, additional: Schema | None, patterns: dict,
+                             path: str) -> tuple[Schema | None, dict]:
+        """Remove ``pattern: false`` entries; keys matching them become additional, which must then be false."""
+        false = [p for p, s in patterns.items() if s is False]
+        if not false:
+            return additional, patterns
+        if len(patterns) > 1 or additional not in (None, False):
+            for p in false:
+                self.problem("patternProperties", f"{path}/patternProperties/{_escape(p)}",
+                             "properties matching it must be absent, but other keywords admit them", True)
+        elif additional is None:
+            additional = False  # narrower: unmatched names were allowed
+        return additional, {p: s for p, s in patterns.items() if s is not False}
+
+    def _close_patterns(self, listed: dict, forbidden: list[str], additional: Schema | None,
+                        patterns: dict, path: str) -> tuple[Schema | None, dict]:
+        """Make the key patterns xgrammar sees exclude what they must not admit.
+
+        xgrammar lets a key matching a pattern take the pattern's schema even
+        when the key is also listed in ``properties``; so a pattern is rewritten
+        to exclude the listed names it matches whose schema differs, and the
+        names that must be absent (``forbidden``, dropped from ``properties``).
+        A forbidden name no pattern matches is closed by additionalProperties
+        false when unset; additionalProperties that admit it become a pattern
+        for every other unlisted name. Returns additionalProperties and the
+        patterns (full-match, as xgrammar reads them).
+        """
+        if patterns and additional not in (None, False):
+            if any(full_match_pattern(p) == "^.*$" or is_vacuous(p) for p in patterns):
+                additional = None  # every key matches a pattern: none is left for it
+            else:
+                self.problem("additionalProperties", path, "beside patternProperties, xgrammar may give "
+                             "a key that matches a pattern the additionalProperties schema", True)
+        open_names = [n for n in forbidden if not any(pattern_search(p, n) for p in patterns)]
+        if open_names and additional is None and (listed or patterns):
+            additional = False  # xgrammar's strict mode admits no unlisted name there anyway
+        elif open_names and additional is None:
+            patterns = {exclude_words(".*", open_names): {}}  # any other name stays allowed
+            additional = False
+        elif open_names and additional is not False:
+            if patterns:
+                self.problem("properties", path, f"properties {open_names} must be absent, but "
+                                                 "additionalProperties admits them", True)
+            else:  # the additional keys become a pattern that leaves out the forbidden (and listed) names
+                patterns = {exclude_words(".*", open_names + list(listed)): additional}
+                additional = False
+        by_pattern: dict[str, list[str]] = {}
+        for p, schema in patterns.items():
+            clash = [n for n, s in listed.items() if pattern_search(p, n) and _canon(s) != _canon(schema)]
+            by_pattern[p] = clash + [n for n in forbidden if pattern_search(p, n)]
+        if any(n in forbidden for ns in by_pattern.values() for n in ns) and additional is None:
+            additional = False  # the excluded names must not fall to an open additionalProperties
+        kept = {}
+        for p, schema in patterns.items():
+            usable = self._usable_pattern(p, f"{path}/patternProperties")
+            usable = ".*" if usable is None else usable
+            full = full_match_pattern(usable)
+            if by_pattern[p]:
+                narrowed = exclude_words(full, by_pattern[p])
+                if narrowed is None:
+                    self.problem("patternProperties", f"{path}/patternProperties/{_escape(p)}",
+                                 f"it matches properties {by_pattern[p]} that must keep their own schema "
+                                 "(or be absent), and the grammar cannot exclude them from this pattern", True)
+                else:
+                    full = narrowed
+            kept[full] = schema
+        if len({_canon(s) for s in kept.values()}) > 1:
+            self.problem("patternProperties", path, "several patterns with different schemas: xgrammar checks "
+                                                    "a key against one of them", True)
+        return additional, kept
+
+    def _lower_property_names(self, listed: dict, property_names: dict, additional: Schema | None,
+                              patterns: dict, path: str) -> tuple[Schema | None, dict, Schema]:
+        """xgrammar ignores propertyNames beside patternProperties, and lets a listed name take
+        the additionalProperties schema when propertyNames is given; so propertyNames with a
+        pattern becomes a pattern of its own that leaves out the listed names."""
+        if patterns:
+            self.problem("propertyNames", path, "xgrammar ignores propertyNames beside patternProperties", True)
+            return additional, patterns, {}
+        if not listed or additional is None:
+            return additional, patterns, property_names
+        own = {k: v for k, v in property_names.items() if k != "type"}
+        narrowed = exclude_words(own["pattern"], list(listed)) if set(own) == {"pattern"} else None
+        if narrowed is None:
+            self.problem("propertyNames", path, "beside properties and additionalProperties, xgrammar would let "
+                                                "a listed property take the additionalProperties schema", True)
+            return additional, patterns, property_names
+        return False, {narrowed: additional}, {}

@@ -1,0 +1,417 @@
+"""The JSON schema normaliser (see the `json_schema` module docstring, steps 2-4):
+its driver and phase A reading, which maps each keyword of the user's schema to a
+2020-12 form; conjunction lives in `schema_merge`, lowering in `schema_lowering`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import referencing.jsonschema
+from jsonschema import validators as js_validators
+from referencing import Registry
+from referencing.exceptions import Unresolvable
+
+from arborlm.constrained.base import GrammarError
+from arborlm.constrained.json_values import json_intersection, unique
+from arborlm.constrained.schema_lowering import SchemaLowering
+from arborlm.constrained.schema_merge import SchemaMerge
+from arborlm.constrained.schema_nodes import (
+    _DEFS_PREFIX,
+    _DRAFT_YEAR,
+    _TYPES,
+    PARAM,
+    Schema,
+    _canon,
+    _escape,
+    _lower_bound,
+    _set_bounds,
+    _type_set,
+    _upper_bound,
+)
+
+# Most conjunctions of recursive references one schema may defer into new $defs entries.
+MAX_DEFERRED = 256
+_SPECIFICATIONS = {
+    2020: referencing.jsonschema.DRAFT202012,
+    2019: referencing.jsonschema.DRAFT201909,
+    7: referencing.jsonschema.DRAFT7,
+    6: referencing.jsonschema.DRAFT6,
+    4: referencing.jsonschema.DRAFT4,
+}
+_NON_OBJECT = ["array", "boolean", "null", "number", "string"]
+# Keywords that evaluate the instance in place (they change what "unevaluated" means).
+_IN_PLACE = ("allOf", "anyOf", "oneOf", "not", "if", "$ref", "$dynamicRef", "$recursiveRef",
+             "dependentSchemas", "dependencies")
+# Keywords a validator function reads beside the keyword it is registered under.
+_COMPANIONS = {"if": ("then", "else"), "contains": ("minContains", "maxContains"),
+               "minimum": ("exclusiveMinimum",), "maximum": ("exclusiveMaximum",)}
+
+
+class _Normaliser(SchemaMerge, SchemaLowering):
+    """Rewrites one schema document (see the `json_schema` module docstring, steps 2-4).
+
+    Phase A (`node`, `merge`) maps the user's schema to an equivalent 2020-12
+    schema in which a dict is one of: ``{}``, ``{"$ref": "#/$defs/<name>"}``,
+    ``{"anyOf"|"oneOf": [...]}`` alone, or plain keywords with no ``$ref``,
+    ``allOf``, ``anyOf``, ``oneOf``, ``not`` or dependencies; False accepts
+    nothing. Phase B (`lower`) maps that to what xgrammar compiles, without
+    mutating phase A's nodes; it reruns until the set of ``$defs`` that
+    accept nothing stops growing.
+    """
+
+    def __init__(self, root: dict, cls: type):
+        self.root = root
+        self.year = _DRAFT_YEAR[cls]
+        self.keywords = frozenset(cls.VALIDATORS).union(
+            *(_COMPANIONS.get(k, ()) for k in cls.VALIDATORS))
+        self.spec = _SPECIFICATIONS[self.year]
+        self.root_resolver = Registry().resolver_with_root(self.spec.create_resource(root))
+        self.paths: dict[int, str] = {}
+        self._index_paths(root, "")
+        self.def_names: dict[int, str] = {}  # id(target) -> name
+        self.targets: dict[str, tuple[Any, Any, str]] = {}  # name -> (target, resolver, path)
+        self.defs_a: dict[str, Schema] = {}
+        self.unfolding: set[str] = set()  # defs being normalised
+        self.merging: set[tuple] = set()  # conjunctions of references being merged
+        self.deferred: dict[str, list[Schema]] = {}  # name -> the parts of a deferred conjunction
+        self.deferred_names: dict[tuple, str] = {}
+        self.problems_a: list[tuple[str, str, str]] = []
+        self.problems_b: list[tuple[str, str, str]] = []
+        self.false_defs: set[str] = set()
+
+    # -- driver --------------------------------------------------------------
+
+    def run(self) -> dict:
+        root_a = self.node(self.root, self.root_resolver, "")
+        self._close_defs(root_a)
+        doc_a = dict(root_a) if isinstance(root_a, dict) else {}
+        doc_a["$defs"] = self.defs_a
+        self.checker = js_validators.Draft202012Validator(doc_a)
+        while True:
+            self.problems_b = []
+            self.defs_b: dict[str, Schema] = {}
+            self.pending_b: list[str] = []
+            root_b = self.lower(root_a, "")
+            while self.pending_b:
+                name = self.pending_b.pop()
+                self.defs_b[name] = self.lower(self.defs_a[name], self.targets[name][2])
+            newly_false = {n for n, s in self.defs_b.items() if s is False} - self.false_defs
+            if not newly_false:
+                break
+            self.false_defs |= newly_false
+        if root_b is False:
+            raise GrammarError("json_schema accepts no value (its constraints contradict each other)", PARAM)
+        doc = dict(root_b)
+        if self.defs_b:
+            doc["$defs"] = {name: self.defs_b[name] for name in sorted(self.defs_b)}
+        return doc
+
+    def problems(self) -> list[tuple[str, str, str]]:
+        seen, out = set(), []
+        for problem in self.problems_a + self.problems_b:
+            if problem[:2] not in seen:
+                seen.add(problem[:2])
+                out.append(problem)
+        return out
+
+    def problem(self, keyword: str, path: str, reason: str, phase_b: bool = False) -> None:
+        (self.problems_b if phase_b else self.problems_a).append((keyword, path, reason))
+
+    def _index_paths(self, value: Any, path: str) -> None:
+        if isinstance(value, dict):
+            self.paths.setdefault(id(value), path)
+            for k, v in value.items():
+                self._index_paths(v, f"{path}/{_escape(k)}")
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                self._index_paths(v, f"{path}/{i}")
+
+    def _close_defs(self, root_a: Schema) -> None:
+        """Normalise every def reachable from ``root_a`` (phase A, before lowering).
+
+        Raises GrammarError for a cycle of references that never reaches a schema.
+        """
+        todo = list(_refs_in(root_a))
+        seen: set[str] = set()
+        while todo:
+            name = todo.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            todo.extend(_refs_in(self.def_a(name)))
+        for name in seen:
+            chain = [name]
+            while isinstance(self.defs_a[chain[-1]], dict) and set(self.defs_a[chain[-1]]) == {"$ref"}:
+                chain.append(self.defs_a[chain[-1]]["$ref"][len(_DEFS_PREFIX) :])
+                if chain[-1] in chain[:-1]:
+                    where = self.targets[name][2] or "/"
+                    raise GrammarError(f"json_schema: the $ref at {where} only leads to itself", PARAM)
+
+    # -- phase A: references -------------------------------------------------
+
+    def hoist(self, ref: str, resolver: Any, path: str) -> Schema:
+        """``{"$ref": "#/$defs/<name>"}`` for the target of ``ref`` (or the boolean it names)."""
+        try:
+            resolved = resolver.lookup(ref)
+        except Unresolvable as e:
+            why = {"PointerToNowhere": "no such location in the schema", "NoSuchAnchor": "no such anchor"}
+            raise GrammarError(f"json_schema: $ref {ref!r} at {path or '/'} cannot be resolved: "
+                               f"{why.get(type(e).__name__, 'not inside the schema (remote references are not fetched)')}",
+                               PARAM) from e
+        target = resolved.contents
+        if isinstance(target, bool):
+            return {} if target else False
+        if not isinstance(target, dict) or id(target) not in self.paths:
+            raise GrammarError(
+                f"json_schema: $ref {ref!r} at {path or '/'} points outside the schema; "
+                "only references inside the schema document are supported",
+                PARAM,
+            )
+        name = self.def_names.get(id(target))
+        if name is None:
+            target_path = self.paths[id(target)]
+            base = re.sub(r"[^A-Za-z0-9_.-]", "_", target_path.rsplit("/", 1)[-1]) or "root"
+            name, k = base, 1
+            while name in self.targets:
+                k += 1
+                name = f"{base}_{k}"
+            self.def_names[id(target)] = name
+            self.targets[name] = (target, resolved.resolver, target_path)
+        return {"$ref": _DEFS_PREFIX + name}
+
+    def def_a(self, name: str) -> Schema:
+        """Phase A form of a hoisted target (or of a deferred conjunction), computed once."""
+        if name not in self.defs_a:
+            target, resolver, path = self.targets[name]
+            self.unfolding.add(name)
+            try:
+                if name in self.deferred:
+                    self.defs_a[name] = self.merge(self.deferred[name], path)
+                else:
+                    self.defs_a[name] = self.node(target, resolver, path)
+            finally:
+                self.unfolding.discard(name)
+        return self.defs_a[name]
+
+    def _merge_refs(self, flat: list[dict], path: str) -> Schema:
+        """The conjunction of ``flat``, some of which are (or hold) a ``$ref``.
+
+        The targets are unfolded and merged in place, except when the same
+        conjunction is already being merged further up, or a target is still
+        being normalised (a recursive schema): then the conjunction becomes a
+        new ``$defs`` entry, computed later, so the recursion stays a reference.
+        """
+        names = sorted({p["$ref"][len(_DEFS_PREFIX) :] for p in flat if "$ref" in p})
+        plain = [{k: v for k, v in p.items() if k != "$ref"} for p in flat]
+        plain = [p for p in plain if p != {}]
+        if len(names) == 1 and not plain:
+            return {"$ref": _DEFS_PREFIX + names[0]}
+        key = (tuple(names), tuple(sorted(_canon(p) for p in plain)))
+        if key in self.merging or any(n in self.unfolding for n in names):
+            return self._deferred_ref(key, names, plain, path)
+        self.merging.add(key)
+        try:
+            return self.merge([self.def_a(n) for n in names] + plain, path)
+        finally:
+            self.merging.discard(key)
+
+    def _deferred_ref(self, key: tuple, names: list[str], plain: list[dict], path: str) -> Schema:
+        name = self.deferred_names.get(key)
+        if name is None:
+            if len(self.deferred) >= MAX_DEFERRED:
+                self.problem("$ref", path, "too many recursive references merged with other keywords")
+                return {"$ref": _DEFS_PREFIX + names[0]}
+            name = f"merged_{len(self.deferred) + 1}"
+            while name in self.targets:
+                name += "_"
+            self.deferred_names[key] = name
+            self.deferred[name] = [{"$ref": _DEFS_PREFIX + n} for n in names] + plain
+            self.targets[name] = (None, None, path)
+        return {"$ref": _DEFS_PREFIX + name}
+
+    # -- phase A: one schema -------------------------------------------------
+
+    def node(self, raw: Any, resolver: Any, path: str) -> Schema:
+        """The phase A form of the user's subschema ``raw`` found at ``path``."""
+        if raw is True:
+            return {}
+        if raw is False:
+            return False
+        resolver = resolver.in_subresource(self.spec.create_resource(raw))
+        kw = {k: v for k, v in raw.items() if k in self.keywords}
+        if "$ref" in kw and self.year <= 7:
+            kw = {"$ref": kw["$ref"]}  # up to draft 7, $ref overrides its siblings
+        own: dict = {}
+        parts: list[Schema] = []
+        self._type_and_values(kw, own)
+        self._numbers(kw, own, path)
+        self._strings(kw, own)
+        self._arrays(kw, own, resolver, path)
+        self._objects(kw, own, resolver, path)
+        parts.append(own)
+        self._applicators(kw, parts, resolver, path)
+        self._dependencies(kw, parts, resolver, path)
+        return self.merge(parts, path)
+
+    def _type_and_values(self, kw: dict, own: dict) -> None:
+        if "type" in kw:
+            own["type"] = _type_set(kw["type"])
+        values = None
+        if "enum" in kw:
+            values = unique(kw["enum"])
+        if "const" in kw:
+            const = [kw["const"]]
+            values = const if values is None else json_intersection(const, values)
+        if values is not None:
+            own["enum"] = values
+
+    def _numbers(self, kw: dict, own: dict, path: str) -> None:
+        lower = upper = None
+        if self.year == 4:  # boolean exclusive bounds modify minimum / maximum
+            if "minimum" in kw:
+                lower = (kw["minimum"], kw.get("exclusiveMinimum") is True)
+            if "maximum" in kw:
+                upper = (kw["maximum"], kw.get("exclusiveMaximum") is True)
+        else:
+            lower = _lower_bound(kw)
+            upper = _upper_bound(kw)
+        _set_bounds(own, lower, upper)
+        if "multipleOf" in kw:
+            own["multipleOf"] = kw["multipleOf"]
+
+    def _strings(self, kw: dict, own: dict) -> None:
+        for key in ("minLength", "maxLength", "pattern", "format"):
+            if key in kw:
+                own[key] = kw[key]
+
+    def _arrays(self, kw: dict, own: dict, resolver: Any, path: str) -> None:
+        items = kw.get("items")
+        if isinstance(items, list):  # up to 2019-09: a tuple, then additionalItems
+            own["prefixItems"] = [self.node(s, resolver, f"{path}/items/{i}") for i, s in enumerate(items)]
+            if "additionalItems" in kw:
+                own["items"] = self.node(kw["additionalItems"], resolver, f"{path}/additionalItems")
+        elif "items" in kw:
+            own["items"] = self.node(items, resolver, f"{path}/items")
+        if "prefixItems" in kw:
+            own["prefixItems"] = [self.node(s, resolver, f"{path}/prefixItems/{i}")
+                                  for i, s in enumerate(kw["prefixItems"])]
+        for key in ("minItems", "maxItems"):
+            if key in kw:
+                own[key] = kw[key]
+        if kw.get("uniqueItems") is True and kw.get("maxItems", 2) > 1:
+            self.problem("uniqueItems", path, "a grammar cannot compare items")
+        if "contains" in kw and not (kw.get("minContains") == 0 and "maxContains" not in kw and self.year >= 2019):
+            self.problem("contains", path, "a grammar cannot require an item anywhere in the array")
+        if "unevaluatedItems" in kw:
+            if any(k in kw for k in _IN_PLACE):
+                self.problem("unevaluatedItems", path, "beside in-place applicators")
+            elif "items" not in own:
+                own["items"] = self.node(kw["unevaluatedItems"], resolver, f"{path}/unevaluatedItems")
+
+    def _objects(self, kw: dict, own: dict, resolver: Any, path: str) -> None:
+        if "properties" in kw:
+            own["properties"] = {
+                name: self.node(s, resolver, f"{path}/properties/{_escape(name)}")
+                for name, s in kw["properties"].items()
+            }
+        if "patternProperties" in kw:
+            own["patternProperties"] = {
+                pattern: self.node(s, resolver, f"{path}/patternProperties/{_escape(pattern)}")
+                for pattern, s in kw["patternProperties"].items()
+            }
+        if "additionalProperties" in kw:
+            own["additionalProperties"] = self.node(kw["additionalProperties"], resolver,
+                                                      f"{path}/additionalProperties")
+        if "propertyNames" in kw:
+            own["propertyNames"] = self.node(kw["propertyNames"], resolver, f"{path}/propertyNames")
+        if kw.get("required"):
+            own["required"] = list(dict.fromkeys(kw["required"]))
+        for key in ("minProperties", "maxProperties"):
+            if key in kw:
+                own[key] = kw[key]
+        if "unevaluatedProperties" in kw:
+            if any(k in kw for k in _IN_PLACE):
+                self.problem("unevaluatedProperties", path, "beside in-place applicators")
+            elif "additionalProperties" not in own:
+                own["additionalProperties"] = self.node(kw["unevaluatedProperties"], resolver,
+                                                          f"{path}/unevaluatedProperties")
+
+    def _applicators(self, kw: dict, parts: list, resolver: Any, path: str) -> None:
+        if "$ref" in kw:
+            parts.append(self.hoist(kw["$ref"], resolver, path))
+        for key in ("$dynamicRef", "$recursiveRef"):
+            if key in kw:
+                self.problem(key, path, "dynamic references are not supported")
+        for i, branch in enumerate(kw.get("allOf", ())):
+            parts.append(self.node(branch, resolver, f"{path}/allOf/{i}"))
+        for key in ("anyOf", "oneOf"):
+            if key in kw:
+                parts.append({key: [self.node(b, resolver, f"{path}/{key}/{i}") for i, b in enumerate(kw[key])]})
+        if "not" in kw:
+            parts.append(self._negate(kw["not"], resolver, path))
+        if "if" in kw and ("then" in kw or "else" in kw):
+            self.problem("if", path, "conditional schemas are not supported")
+
+    def _negate(self, raw: Any, resolver: Any, path: str) -> Schema:
+        """A positive schema for ``not: raw``, or {} after recording a problem."""
+        negated = self.node(raw, resolver, f"{path}/not")
+        if negated is False:
+            return {}
+        if negated == {}:
+            return False
+        keys = set(negated)
+        if keys == {"type"}:
+            present = set(negated["type"])
+            if "integer" in present and "number" not in present:
+                self.problem("not", path, "a grammar cannot exclude integers from numbers")
+                return {}
+            left = [t for t in _TYPES if t not in present and t != "integer"]
+            return {"type": left} if left else False
+        if keys == {"required"} or (keys == {"required", "type"} and negated["type"] == ["object"]):
+            names = negated["required"]
+            absent = [{"type": ["object"], "properties": {n: False}} for n in names]
+            if keys == {"required"}:  # non-objects satisfy `required`, so fail its negation
+                return absent[0] if len(absent) == 1 else {"anyOf": absent}
+            others = {"type": [t for t in _TYPES if t not in ("object", "integer")]}
+            return {"anyOf": [others, *absent]}
+        self.problem("not", path, "only the negation of {}, of a type or of required is supported")
+        return {}
+
+    def _dependencies(self, kw: dict, parts: list, resolver: Any, path: str) -> None:
+        triggers: list[tuple[str, Schema]] = []
+        for keyword in ("dependencies", "dependentRequired", "dependentSchemas"):
+            for name, dep in kw.get(keyword, {}).items():
+                if isinstance(dep, list):
+                    requirement: Schema = {"required": list(dep)} if dep else {}
+                else:  # the schema applies to objects only, and only when `name` is present
+                    requirement = self.node(dep, resolver, f"{path}/{keyword}/{_escape(name)}")
+                    if name in kw.get("required", ()) and requirement != {}:
+                        requirement = self.merge([{"anyOf": [{"type": _NON_OBJECT}, requirement]}], path)
+                triggers.append((name, requirement))
+        required = set(kw.get("required", ()))
+        for name, requirement in triggers:
+            if requirement == {}:
+                continue
+            if name in required:  # present in every object
+                parts.append(requirement)
+                continue
+            present = self.merge([{"required": [name]}, requirement], path)
+            parts.append({"anyOf": [{"properties": {name: False}}, present]})
+
+
+def _refs_in(node: Any) -> list[str]:
+    """Names of the $defs referenced anywhere in ``node``."""
+    out: list[str] = []
+    stack = [node]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            ref = x.get("$ref")
+            if isinstance(ref, str) and ref.startswith(_DEFS_PREFIX):
+                out.append(ref[len(_DEFS_PREFIX) :])
+            stack.extend(v for k, v in x.items() if k != "enum")
+        elif isinstance(x, list):
+            stack.extend(x)
+    return out
