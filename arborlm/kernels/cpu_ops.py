@@ -9,7 +9,10 @@ with one rounding to the tensor's dtype, as vLLM's and SGLang's CPU kernels do:
 - `silu_and_mul` (SwiGLU's activation on the fused gate/up output),
 - `rotary_` (in place, reading the cos/sin tables at each token's position),
 - `decode_attention` over the paged pool, reading K/V through `req_to_token` in
-  place (no gather, no padding).
+  place (no gather, no padding),
+- `linear` for bf16 on CPUs with AMX: up to `AMX_MAX_ROWS` rows (decode steps)
+  go through AMX tiles over a weight packed once at load (`pack_amx_weight`),
+  streaming the weights at the memory's speed; more rows go to oneDNN.
 
 `LayerOps` is the same interface in plain torch ops: the fallback, and the oracle
 the native kernels are tested against. The library is compiled with the system
@@ -22,6 +25,7 @@ why once and returns the torch ops.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -37,13 +41,14 @@ import torch
 import torch.nn.functional as F
 
 from arborlm.envs import ENVS
+from arborlm.kernels import cpu_linear
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 # -ffp-contract=off: no fused multiply-adds, so float32 results round as torch's ops do.
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
-ABI_VERSION = 2
+ABI_VERSION = 3
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
@@ -54,7 +59,17 @@ _SIGNATURES = {
         ctypes.c_int, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32, _i64, _f32,
         _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr,
     ),
+    "arborlm_amx_ready": (),
+    "arborlm_linear_bf16": (_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64),
 }
+_RESTYPES = {"arborlm_amx_ready": ctypes.c_int}
+# The AMX linear layer: K is consumed 32 bf16 at a time, output columns 32 at a time.
+AMX_STEP_K = 32
+AMX_BLOCK_N = 32
+# Rows up to which the AMX kernel beats oneDNN here (a whole step: 0.6x the time at 1
+# row, 0.78x at 8, 0.85x at 54, 1.07x at 378, 1.2-1.4x at 800-1600); longer inputs
+# (prefills) take oneDNN's GEMM.
+AMX_MAX_ROWS = 64
 
 
 class KernelBuildError(RuntimeError):
@@ -129,7 +144,7 @@ def load_library(cache_dir: Path) -> ctypes.CDLL:
         raise KernelBuildError(f"{path} has ABI {lib.arborlm_abi_version()}, expected {ABI_VERSION}")
     for name, argtypes in _SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
-        getattr(lib, name).restype = None
+        getattr(lib, name).restype = _RESTYPES.get(name)
     return lib
 
 
@@ -165,10 +180,61 @@ class RotaryStep:
         return self._gathered
 
 
+@dataclass(frozen=True)
+class AmxWeight:
+    """A bf16 weight (out_features, in_features) packed for `arborlm_linear_bf16`.
+
+    data: bf16, (ceil(out/32), in/32, 2, 16, 16, 2): per 32-column block and 32-wide
+    step of K, two AMX B tiles of 16 K-pairs x 16 columns in VNNI order (columns
+    past out_features are zero).
+    """
+
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+    onednn: object | None = None  # `LayerOps.pack_linear`'s copy, for inputs of more rows
+
+
+def pack_amx_weight(weight: torch.Tensor) -> AmxWeight:
+    """Pack a CPU bf16 weight (out, in) for the AMX kernel; `in` must be a multiple of 32.
+
+    Raises
+    ------
+    ValueError
+        For another dtype, device or shape.
+    """
+    if weight.dim() != 2 or weight.dtype != torch.bfloat16 or not weight.is_cpu or weight.shape[1] % AMX_STEP_K:
+        raise ValueError(
+            f"the AMX linear needs a CPU bf16 (out, in) weight with in % {AMX_STEP_K} == 0, "
+            f"got {weight.dtype} {tuple(weight.shape)} on {weight.device}"
+        )
+    out_features, in_features = weight.shape
+    padded = -(-out_features // AMX_BLOCK_N) * AMX_BLOCK_N
+    w = weight.new_zeros((padded, in_features))
+    w[:out_features] = weight
+    # (block, tile, column, k step, pair, 2) -> (block, k step, tile, pair, column, 2)
+    data = w.view(padded // AMX_BLOCK_N, 2, 16, in_features // AMX_STEP_K, 16, 2).permute(0, 3, 1, 4, 2, 5)
+    return AmxWeight(data.contiguous(), out_features, in_features)
+
+
 class LayerOps:
-    """The decoder layer's elementwise groups in plain torch ops (any device, any dtype)."""
+    """The decoder layer's elementwise groups and linear layers in plain torch ops (any
+    device, any dtype)."""
 
     native = False
+
+    def pack_linear(self, weight: torch.Tensor) -> object | None:
+        """A prepacked copy of a loaded weight (out, in) for `linear`, or None where packing
+        gains nothing (float32, not the CPU; see `kernels/cpu_linear.py`)."""
+        return cpu_linear.pack_weight(weight) if cpu_linear.can_pack(weight) else None
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: object | None
+    ) -> torch.Tensor:
+        """`F.linear(x, weight, bias)` for x (tokens, in); `packed` from `pack_linear(weight)`."""
+        if packed is not None:
+            return cpu_linear.packed_linear(x, packed, bias)
+        return F.linear(x, weight, bias)
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
@@ -213,6 +279,34 @@ class NativeLayerOps(LayerOps):
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
+        self.amx = bool(lib.arborlm_amx_ready())
+
+    def pack_linear(self, weight):
+        ok = (
+            self.amx and weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.is_cpu
+            and weight.shape[1] % AMX_STEP_K == 0
+        )
+        if not ok:
+            return super().pack_linear(weight)
+        return dataclasses.replace(pack_amx_weight(weight), onednn=super().pack_linear(weight))
+
+    def linear(self, x, weight, bias, packed):
+        if not isinstance(packed, AmxWeight):
+            return super().linear(x, weight, bias, packed)
+        ok = (
+            x.dim() == 2 and x.shape[0] <= AMX_MAX_ROWS and x.dtype is torch.bfloat16 and _rows_ok(x)
+            and x.shape[1] == packed.in_features
+            and (bias is None or (bias.dtype is torch.bfloat16 and bias.is_contiguous() and bias.is_cpu))
+        )
+        if not ok:
+            return super().linear(x, weight, bias, packed.onednn)
+        rows = x.shape[0]
+        out = torch.empty((rows, packed.out_features), dtype=torch.bfloat16)
+        self.lib.arborlm_linear_bf16(
+            x.data_ptr(), x.stride(0), rows, packed.in_features, packed.data.data_ptr(), packed.out_features,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), packed.out_features,
+        )
+        return out
 
     def rms_norm(self, x, weight, eps, residual=None):
         # Called twice per layer: the checks use the cheapest tensor attributes.

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from arborlm.errors import ModelLoadError
-from arborlm.kernels import cpu_linear
 from arborlm.kernels.backend import AttentionBackend
 from arborlm.kernels.cpu_ops import LayerOps, RotaryStep, layer_ops
 from arborlm.runtime.batch import ForwardBatch, LogitsOutput
@@ -34,26 +33,31 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class Linear(nn.Module):
-    """`y = x W^T (+ b)` without random initialisation."""
+    """`y = x W^T (+ b)` without random initialisation, through `ops.linear`.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device):
+    After loading, `pack()` keeps a copy of W in the layout the ops' fastest kernel
+    reads (AMX tiles or oneDNN's blocked layout on a CPU with bf16; nothing
+    otherwise).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device, ops: LayerOps):
         super().__init__()
         self.weight = _param((out_features, in_features), dtype, device)
         self.bias = _param((out_features,), dtype, device) if bias else None
-        self.packed_weight: torch.Tensor | None = None
+        self.ops = ops
+        self.packed_weight: object | None = None
 
     def pack(self) -> None:
-        """Prepack the loaded weight for oneDNN when it is a CPU bf16 weight (`kernels/cpu_linear.py`).
+        """Prepack the loaded weight (`LayerOps.pack_linear`).
 
-        Keeps `weight` (a second copy of the weights in memory); call again after
-        changing `weight`.
+        Keeps `weight` beside it: a second copy of the weights in memory, a third
+        on a CPU with AMX (its tile layout for decode steps and oneDNN's for
+        prefills). Call again after changing `weight`.
         """
-        self.packed_weight = cpu_linear.pack_weight(self.weight) if cpu_linear.can_pack(self.weight) else None
+        self.packed_weight = self.ops.pack_linear(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
-            return cpu_linear.packed_linear(x, self.packed_weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self.ops.linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class RMSNorm(nn.Module):
@@ -162,8 +166,8 @@ class LlamaAttention(nn.Module):
         self.sliding_window = _layer_sliding_window(config, layer_id)
         qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
-        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, dtype, device)
-        self.o_proj = Linear(self.q_size, hidden, o_bias, dtype, device)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, qkv_bias, dtype, device, ops)
+        self.o_proj = Linear(self.q_size, hidden, o_bias, dtype, device, ops)
         self.attn_backend = attn_backend
 
     def forward(self, hidden: torch.Tensor, rotary: RotaryStep, forward_batch: ForwardBatch) -> torch.Tensor:
@@ -196,8 +200,8 @@ class LlamaMLP(nn.Module):
         self.ops = ops
         bias = bool(getattr(config, "mlp_bias", False))
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias, dtype, device)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, dtype, device)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias, dtype, device, ops)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias, dtype, device, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
@@ -291,7 +295,7 @@ class LlamaForCausalLM(nn.Module):
         self.ops = ops if ops is not None else layer_ops(device)
         self.model = LlamaModel(config, dtype, device, attn_backend, self.ops)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device, self.ops)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
