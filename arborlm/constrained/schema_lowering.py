@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 from arborlm.constrained.json_values import mutually_exclusive
+from arborlm.constrained.schema_merge import SchemaMerge
 from arborlm.constrained.schema_nodes import (
     _DEFS_PREFIX,
     _FAMILY_KEYWORDS,
@@ -37,13 +39,28 @@ from arborlm.constrained.schema_patterns import (
 
 
 class SchemaLowering:
-    """Phase B lowering of `schema_normaliser._Normaliser` (a base class of it).
+    """One pass of phase B: lowers phase A schemas to what xgrammar compiles.
 
-    Uses the host's `problem` (with ``phase_b=True``), `merge`, `_combine` and
-    `governing` (from `SchemaMerge`), and the state its driver `run` sets up:
-    `checker` (a validator over the phase A document), `defs_b`, `pending_b` and
-    `false_defs`. It never mutates phase A's nodes.
+    merger: the phase A conjunction (`merge`, `combine`, `governing`).
+    checker: a validator over the phase A document.
+    false_defs: names of the ``$defs`` known to accept nothing (lowered to False).
+
+    `defs` collects the lowered ``$defs`` a pass reached, `pending` the names still
+    to lower, `problems` the (keyword, path, reason) it could not enforce. It never
+    mutates phase A's nodes.
     """
+
+    def __init__(self, merger: SchemaMerge, checker: Any, false_defs: set[str]):
+        self.merger = merger
+        self.checker = checker
+        self.false_defs = false_defs
+        self.defs: dict[str, Schema] = {}
+        self.pending: list[str] = []
+        self.problems: list[tuple[str, str, str]] = []
+
+    def problem(self, keyword: str, path: str, reason: str) -> None:
+        """Record a keyword this pass cannot enforce."""
+        self.problems.append((keyword, path, reason))
 
     # -- phase B: lowering ---------------------------------------------------
 
@@ -55,16 +72,16 @@ class SchemaLowering:
             name = node["$ref"][len(_DEFS_PREFIX) :]
             if name in self.false_defs:
                 return False
-            if name not in self.defs_b and name not in self.pending_b:
-                self.defs_b[name] = {}  # placeholder, so each def is queued once
-                self.pending_b.append(name)
+            if name not in self.defs and name not in self.pending:
+                self.defs[name] = {}  # placeholder, so each def is queued once
+                self.pending.append(name)
             return {"$ref": node["$ref"]}
         for key in ("anyOf", "oneOf"):
             if key in node:
                 branches = [self.lower(b, f"{path}/{key}/{i}") for i, b in enumerate(node[key])]
                 if key == "oneOf" and mutually_exclusive(branches):
                     key = "anyOf"  # the same language, without xgrammar's "falling back to anyOf" warning
-                return self._combine(key, branches, path)
+                return self.merger.combine(key, branches, path)
         if "enum" in node:
             return self._lower_enum(node)
         return self._lower_plain(node, path)
@@ -112,7 +129,7 @@ class SchemaLowering:
             if float(step).is_integer():
                 t = "integer"  # narrower: multiples of an integer that are not integers are lost
             else:
-                self.problem("multipleOf", path, "xgrammar enforces multipleOf on integers only", True)
+                self.problem("multipleOf", path, "xgrammar enforces multipleOf on integers only")
                 step = None
         if t == "number":
             if lower is not None and upper is not None:
@@ -130,11 +147,11 @@ class SchemaLowering:
         if step is None:
             return t
         if not float(step).is_integer():
-            self.problem("multipleOf", path, "a fractional multipleOf on integers", True)
+            self.problem("multipleOf", path, "a fractional multipleOf on integers")
         elif int(step) != 1:
             if (low is None) != (high is None) or (low is not None and high - low >= XGRAMMAR_MULTIPLE_OF_SPAN):
                 self.problem("multipleOf", path, "xgrammar ignores multipleOf with one bound or with a span "
-                                                 f"of {XGRAMMAR_MULTIPLE_OF_SPAN} or more", True)
+                                                 f"of {XGRAMMAR_MULTIPLE_OF_SPAN} or more")
             else:
                 out["multipleOf"] = int(step)
         return t
@@ -154,7 +171,7 @@ class SchemaLowering:
                     return False
                 if combined is None:
                     self.problem("minLength" if min_length > 0 else "maxLength", path,
-                                 f"xgrammar ignores string lengths beside a pattern ({pattern!r})", True)
+                                 f"xgrammar ignores string lengths beside a pattern ({pattern!r})")
                 else:
                     pattern = combined
                 min_length, max_length = 0, None
@@ -172,14 +189,14 @@ class SchemaLowering:
         if is_vacuous(pattern):
             return None
         if re.match(r"\(\?[a-zA-Z]+\)", pattern):
-            self.problem("pattern", path, f"inline flags in {pattern!r} are not ECMA-262 syntax", True)
+            self.problem("pattern", path, f"inline flags in {pattern!r} are not ECMA-262 syntax")
             return None
         if has_lookaround(pattern):
-            self.problem("pattern", path, f"lookaround in {pattern!r} is not supported", True)
+            self.problem("pattern", path, f"lookaround in {pattern!r} is not supported")
             pattern = strip_lookarounds(pattern)
         error = xgrammar_regex_error(full_match_pattern(pattern))
         if error is not None:
-            self.problem("pattern", path, f"{pattern!r}: {error}", True)
+            self.problem("pattern", path, f"{pattern!r}: {error}")
             return None
         return pattern
 
@@ -215,11 +232,11 @@ class SchemaLowering:
         names = dict(node.get("properties", {}))
         for name in required:
             if name not in names:
-                names[name] = self.governing(node, name, path)
+                names[name] = self.merger.governing(node, name, path)
         for name in node.get("properties", {}):
             matching = [s for p, s in patterns.items() if pattern_search(p, name)]
             if matching:
-                names[name] = self.merge([names[name], *matching], path)
+                names[name] = self.merger.merge([names[name], *matching], path)
         property_names = self.lower(node.get("propertyNames", {}), f"{path}/propertyNames")
         bad_names: set[str] = set()  # excluded by propertyNames itself
         if property_names not in ({}, False):
@@ -276,7 +293,7 @@ class SchemaLowering:
         if len(patterns) > 1 or additional not in (None, False):
             for p in false:
                 self.problem("patternProperties", f"{path}/patternProperties/{_escape(p)}",
-                             "properties matching it must be absent, but other keywords admit them", True)
+                             "properties matching it must be absent, but other keywords admit them")
         elif additional is None:
             additional = False  # narrower: unmatched names were allowed
         return additional, {p: s for p, s in patterns.items() if s is not False}
@@ -299,7 +316,7 @@ class SchemaLowering:
                 additional = None  # every key matches a pattern: none is left for it
             else:
                 self.problem("additionalProperties", path, "beside patternProperties, xgrammar may give "
-                             "a key that matches a pattern the additionalProperties schema", True)
+                             "a key that matches a pattern the additionalProperties schema")
         open_names = [n for n in forbidden if not any(pattern_search(p, n) for p in patterns)]
         if open_names and additional is None and (listed or patterns):
             additional = False  # xgrammar's strict mode admits no unlisted name there anyway
@@ -309,7 +326,7 @@ class SchemaLowering:
         elif open_names and additional is not False:
             if patterns:
                 self.problem("properties", path, f"properties {open_names} must be absent, but "
-                                                 "additionalProperties admits them", True)
+                                                 "additionalProperties admits them")
             else:  # the additional keys become a pattern that leaves out the forbidden (and listed) names
                 patterns = {exclude_words(".*", open_names + list(listed)): additional}
                 additional = False
@@ -329,13 +346,13 @@ class SchemaLowering:
                 if narrowed is None:
                     self.problem("patternProperties", f"{path}/patternProperties/{_escape(p)}",
                                  f"it matches properties {by_pattern[p]} that must keep their own schema "
-                                 "(or be absent), and the grammar cannot exclude them from this pattern", True)
+                                 "(or be absent), and the grammar cannot exclude them from this pattern")
                 else:
                     full = narrowed
             kept[full] = schema
         if len({_canon(s) for s in kept.values()}) > 1:
             self.problem("patternProperties", path, "several patterns with different schemas: xgrammar checks "
-                                                    "a key against one of them", True)
+                                                    "a key against one of them")
         return additional, kept
 
     def _lower_property_names(self, listed: dict, property_names: dict, additional: Schema | None,
@@ -344,7 +361,7 @@ class SchemaLowering:
         the additionalProperties schema when propertyNames is given; so propertyNames with a
         pattern becomes a pattern of its own that leaves out the listed names."""
         if patterns:
-            self.problem("propertyNames", path, "xgrammar ignores propertyNames beside patternProperties", True)
+            self.problem("propertyNames", path, "xgrammar ignores propertyNames beside patternProperties")
             return additional, patterns, {}
         if not listed or additional is None:
             return additional, patterns, property_names
@@ -352,6 +369,6 @@ class SchemaLowering:
         narrowed = exclude_words(own["pattern"], list(listed)) if set(own) == {"pattern"} else None
         if narrowed is None:
             self.problem("propertyNames", path, "beside properties and additionalProperties, xgrammar would let "
-                                                "a listed property take the additionalProperties schema", True)
+                                                "a listed property take the additionalProperties schema")
             return additional, patterns, property_names
         return False, {narrowed: additional}, {}

@@ -6,6 +6,7 @@ over `anyOf`/`oneOf` and intersecting keyword by keyword.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from arborlm.constrained.json_values import json_intersection
 from arborlm.constrained.schema_nodes import (
@@ -23,11 +24,16 @@ from arborlm.constrained.schema_patterns import pattern_search
 
 
 class SchemaMerge:
-    """Phase A conjunction of `schema_normaliser._Normaliser` (a base class of it).
+    """Phase A conjunction: `merge` of phase A schemas.
 
-    Uses the host's `problem` (to record a refused keyword) and `_merge_refs`
-    (to conjoin `$ref`s, which may defer into new ``$defs`` entries).
+    problem: records a keyword that cannot be enforced, (keyword, path, reason).
+    merge_refs: conjoins parts that hold `$ref`s (the normaliser's, which may
+        defer them into new ``$defs`` entries).
     """
+
+    def __init__(self, problem: Callable[[str, str, str], None], merge_refs: Callable[[list[dict], str], Schema]):
+        self.problem = problem
+        self.merge_refs = merge_refs
 
     # -- phase A: conjunction ------------------------------------------------
 
@@ -44,7 +50,7 @@ class SchemaMerge:
         if len(flat) == 1 and not _mixed(flat[0]):
             return flat[0]
         if any("$ref" in p for p in flat):
-            return self._merge_refs(flat, path)
+            return self.merge_refs(flat, path)
         expanded = flat
         combinators = [i for i, p in enumerate(expanded) if "anyOf" in p or "oneOf" in p]
         if combinators:
@@ -74,9 +80,9 @@ class SchemaMerge:
         rest = self.merge(rest_parts, path)
         if rest is False:
             return False
-        return self._combine(key, [self.merge([rest, b], path) for b in p[key]], path)
+        return self.combine(key, [self.merge([rest, b], path) for b in p[key]], path)
 
-    def _combine(self, key: str, branches: list[Schema], path: str) -> Schema:
+    def combine(self, key: str, branches: list[Schema], path: str) -> Schema:
         out: list[Schema] = []
         for b in branches:
             if b is False:

@@ -49,7 +49,7 @@ _COMPANIONS = {"if": ("then", "else"), "contains": ("minContains", "maxContains"
                "minimum": ("exclusiveMinimum",), "maximum": ("exclusiveMaximum",)}
 
 
-class _Normaliser(SchemaMerge, SchemaLowering):
+class _Normaliser:
     """Rewrites one schema document (see the `json_schema` module docstring, steps 2-4).
 
     Phase A (`node`, `merge`) maps the user's schema to an equivalent 2020-12
@@ -58,7 +58,8 @@ class _Normaliser(SchemaMerge, SchemaLowering):
     ``allOf``, ``anyOf``, ``oneOf``, ``not`` or dependencies; False accepts
     nothing. Phase B (`lower`) maps that to what xgrammar compiles, without
     mutating phase A's nodes; it reruns until the set of ``$defs`` that
-    accept nothing stops growing.
+    accept nothing stops growing. Conjunction is `SchemaMerge`'s; each phase B
+    pass is a `SchemaLowering`.
     """
 
     def __init__(self, root: dict, cls: type):
@@ -80,6 +81,7 @@ class _Normaliser(SchemaMerge, SchemaLowering):
         self.problems_a: list[tuple[str, str, str]] = []
         self.problems_b: list[tuple[str, str, str]] = []
         self.false_defs: set[str] = set()
+        self.merger = SchemaMerge(self.problem, self._merge_refs)
 
     # -- driver --------------------------------------------------------------
 
@@ -88,24 +90,23 @@ class _Normaliser(SchemaMerge, SchemaLowering):
         self._close_defs(root_a)
         doc_a = dict(root_a) if isinstance(root_a, dict) else {}
         doc_a["$defs"] = self.defs_a
-        self.checker = js_validators.Draft202012Validator(doc_a)
+        checker = js_validators.Draft202012Validator(doc_a)
         while True:
-            self.problems_b = []
-            self.defs_b: dict[str, Schema] = {}
-            self.pending_b: list[str] = []
-            root_b = self.lower(root_a, "")
-            while self.pending_b:
-                name = self.pending_b.pop()
-                self.defs_b[name] = self.lower(self.defs_a[name], self.targets[name][2])
-            newly_false = {n for n, s in self.defs_b.items() if s is False} - self.false_defs
+            lowering = SchemaLowering(self.merger, checker, self.false_defs)
+            root_b = lowering.lower(root_a, "")
+            while lowering.pending:
+                name = lowering.pending.pop()
+                lowering.defs[name] = lowering.lower(self.defs_a[name], self.targets[name][2])
+            self.problems_b = lowering.problems
+            newly_false = {n for n, s in lowering.defs.items() if s is False} - self.false_defs
             if not newly_false:
                 break
             self.false_defs |= newly_false
         if root_b is False:
             raise GrammarError("json_schema accepts no value (its constraints contradict each other)", PARAM)
         doc = dict(root_b)
-        if self.defs_b:
-            doc["$defs"] = {name: self.defs_b[name] for name in sorted(self.defs_b)}
+        if lowering.defs:
+            doc["$defs"] = {name: lowering.defs[name] for name in sorted(lowering.defs)}
         return doc
 
     def problems(self) -> list[tuple[str, str, str]]:
@@ -116,8 +117,9 @@ class _Normaliser(SchemaMerge, SchemaLowering):
                 out.append(problem)
         return out
 
-    def problem(self, keyword: str, path: str, reason: str, phase_b: bool = False) -> None:
-        (self.problems_b if phase_b else self.problems_a).append((keyword, path, reason))
+    def problem(self, keyword: str, path: str, reason: str) -> None:
+        """Record a keyword phase A cannot enforce."""
+        self.problems_a.append((keyword, path, reason))
 
     def _index_paths(self, value: Any, path: str) -> None:
         if isinstance(value, dict):
@@ -188,7 +190,7 @@ class _Normaliser(SchemaMerge, SchemaLowering):
             self.unfolding.add(name)
             try:
                 if name in self.deferred:
-                    self.defs_a[name] = self.merge(self.deferred[name], path)
+                    self.defs_a[name] = self.merger.merge(self.deferred[name], path)
                 else:
                     self.defs_a[name] = self.node(target, resolver, path)
             finally:
@@ -213,7 +215,7 @@ class _Normaliser(SchemaMerge, SchemaLowering):
             return self._deferred_ref(key, names, plain, path)
         self.merging.add(key)
         try:
-            return self.merge([self.def_a(n) for n in names] + plain, path)
+            return self.merger.merge([self.def_a(n) for n in names] + plain, path)
         finally:
             self.merging.discard(key)
 
@@ -253,7 +255,7 @@ class _Normaliser(SchemaMerge, SchemaLowering):
         parts.append(own)
         self._applicators(kw, parts, resolver, path)
         self._dependencies(kw, parts, resolver, path)
-        return self.merge(parts, path)
+        return self.merger.merge(parts, path)
 
     def _type_and_values(self, kw: dict, own: dict) -> None:
         if "type" in kw:
@@ -388,7 +390,7 @@ class _Normaliser(SchemaMerge, SchemaLowering):
                 else:  # the schema applies to objects only, and only when `name` is present
                     requirement = self.node(dep, resolver, f"{path}/{keyword}/{_escape(name)}")
                     if name in kw.get("required", ()) and requirement != {}:
-                        requirement = self.merge([{"anyOf": [{"type": _NON_OBJECT}, requirement]}], path)
+                        requirement = self.merger.merge([{"anyOf": [{"type": _NON_OBJECT}, requirement]}], path)
                 triggers.append((name, requirement))
         required = set(kw.get("required", ()))
         for name, requirement in triggers:
@@ -397,7 +399,7 @@ class _Normaliser(SchemaMerge, SchemaLowering):
             if name in required:  # present in every object
                 parts.append(requirement)
                 continue
-            present = self.merge([{"required": [name]}, requirement], path)
+            present = self.merger.merge([{"required": [name]}, requirement], path)
             parts.append({"anyOf": [{"properties": {name: False}}, present]})
 
 
