@@ -110,7 +110,8 @@ def test_a_bf16_model_generates_the_same_tokens_as_with_onednn(ops, tiny_llama_d
     from tests.runtime.scheduler_helpers import create_scheduler, make_req, run_to_completion
 
     def generate() -> dict[str, list[int]]:
-        scheduler = create_scheduler(tiny_llama_dir, tiny_tokenizer, dtype="bfloat16")
+        # Steps of at most 20 + 9 rows: AMX for every linear layer, bit-identical to oneDNN there.
+        scheduler = create_scheduler(tiny_llama_dir, tiny_tokenizer, dtype="bfloat16", chunked_prefill_size=20)
         linears = [m for m in scheduler.model_runner.model.modules() if hasattr(m, "packed_weight")]
         amx = all(isinstance(m.packed_weight, AmxWeight) for m in linears)
         rng = random.Random(0)
@@ -126,3 +127,19 @@ def test_a_bf16_model_generates_the_same_tokens_as_with_onednn(ops, tiny_llama_d
     amx, with_onednn = generate()
     assert not amx
     assert with_amx == with_onednn and all(len(t) == 24 for t in with_amx.values())
+
+
+def test_without_amx_the_native_ops_keep_onednn(tmp_path_factory):
+    """Where AMX is missing (`amx` False), bf16 weights get oneDNN's prepacked copy, as
+    with the torch ops, and the results are oneDNN's."""
+    try:
+        lib = cpu_ops.load_library(tmp_path_factory.mktemp("kernels-no-amx"))
+    except cpu_ops.KernelBuildError as e:
+        pytest.skip(f"the native CPU kernels do not build here ({e})")
+    native = NativeLayerOps(lib)
+    native.amx = False
+    w, x = weight(96, 64), rows(4, 64)
+    packed = native.pack_linear(w)
+    assert not isinstance(packed, AmxWeight)
+    expected = F.linear(x, w) if packed is None else cpu_linear.packed_linear(x, packed, None)
+    assert torch.equal(native.linear(x, w, None, packed), expected)
