@@ -175,8 +175,8 @@ from jsonschema import exceptions as js_exceptions
 from jsonschema import validators as js_validators
 
 from arborlm.constrained.base import GrammarError
-from arborlm.constrained.schema_nodes import _DRAFT_YEAR, PARAM
-from arborlm.constrained.schema_normaliser import _Normaliser
+from arborlm.constrained.schema_nodes import DRAFT_YEAR, PARAM
+from arborlm.constrained.schema_normaliser import Normaliser
 
 # Most refused keywords named in one error message.
 MAX_NAMED_PROBLEMS = 8
@@ -243,7 +243,7 @@ def prepare_json_schema(schema: str | dict | bool, *, lenient: bool = False) -> 
         return PreparedSchema("{}", original, (), dialect)
     if raw is False:
         raise GrammarError("json_schema is `false`, which accepts no value", PARAM)
-    normaliser = _Normaliser(raw, cls)
+    normaliser = Normaliser(raw, cls)
     doc = normaliser.run()
     problems = normaliser.problems()
     if problems and not lenient:
@@ -360,7 +360,7 @@ def _dialect_of(cls: type) -> str:
 
 
 def _dialect_name(cls: type) -> str:
-    year = _DRAFT_YEAR[cls]
+    year = DRAFT_YEAR[cls]
     return f"draft {year}" if year < 2019 else f"draft {year}-{'09' if year == 2019 else '12'}"
 
 

@@ -12,18 +12,18 @@ from typing import Any
 from arborlm.constrained.json_values import mutually_exclusive
 from arborlm.constrained.schema_merge import SchemaMerge
 from arborlm.constrained.schema_nodes import (
-    _DEFS_PREFIX,
-    _FAMILY_KEYWORDS,
+    DEFS_PREFIX,
+    FAMILY_KEYWORDS,
     INT64_MAX,
     INT64_MIN,
     XGRAMMAR_MULTIPLE_OF_SPAN,
     Schema,
-    _canon,
-    _escape,
-    _lower_bound,
-    _set_bounds,
-    _type_set,
-    _upper_bound,
+    canon,
+    escape_pointer,
+    lower_bound,
+    set_bounds,
+    type_set,
+    upper_bound,
 )
 from arborlm.constrained.schema_patterns import (
     exclude_words,
@@ -69,7 +69,7 @@ class SchemaLowering:
         if node is False or node == {}:
             return node
         if "$ref" in node:
-            name = node["$ref"][len(_DEFS_PREFIX) :]
+            name = node["$ref"][len(DEFS_PREFIX) :]
             if name in self.false_defs:
                 return False
             if name not in self.defs and name not in self.pending:
@@ -97,10 +97,10 @@ class SchemaLowering:
     def _lower_plain(self, node: dict, path: str) -> Schema:
         types = node.get("type")
         if types is None:
-            families = [f for f, keys in _FAMILY_KEYWORDS.items() if any(k in node for k in keys)]
+            families = [f for f, keys in FAMILY_KEYWORDS.items() if any(k in node for k in keys)]
             if not families:
                 return {}
-            types = _type_set(families)
+            types = type_set(families)
         out: dict = {}
         alive = []
         for t in types:
@@ -118,12 +118,12 @@ class SchemaLowering:
                 alive.append(kept)
         if not alive:
             return False
-        out["type"] = alive[0] if len(alive) == 1 else _type_set(alive)
+        out["type"] = alive[0] if len(alive) == 1 else type_set(alive)
         return out
 
     def _lower_number(self, node: dict, t: str, out: dict, path: str) -> str | None:
         """Write the numeric keywords into ``out``; the type kept ("number", "integer") or None."""
-        lower, upper = _lower_bound(node), _upper_bound(node)
+        lower, upper = lower_bound(node), upper_bound(node)
         step = node.get("multipleOf")
         if step is not None and t == "number":
             if float(step).is_integer():
@@ -135,7 +135,7 @@ class SchemaLowering:
             if lower is not None and upper is not None:
                 if lower[0] > upper[0] or (lower[0] == upper[0] and (lower[1] or upper[1])):
                     return None
-            _set_bounds(out, lower, upper)
+            set_bounds(out, lower, upper)
             return t
         low = None if lower is None else (math.floor(lower[0]) + 1 if lower[1] else math.ceil(lower[0]))
         high = None if upper is None else (math.ceil(upper[0]) - 1 if upper[1] else math.floor(upper[0]))
@@ -143,7 +143,7 @@ class SchemaLowering:
         high = None if high is None else min(high, INT64_MAX)
         if low is not None and high is not None and low > high:
             return None
-        _set_bounds(out, None if low is None else (low, False), None if high is None else (high, False))
+        set_bounds(out, None if low is None else (low, False), None if high is None else (high, False))
         if step is None:
             return t
         if not float(step).is_integer():
@@ -242,7 +242,7 @@ class SchemaLowering:
         if property_names not in ({}, False):
             check = self.checker.evolve(schema=node["propertyNames"])
             bad_names = {n for n in names if not check.is_valid(n)}
-        listed = {n: False if n in bad_names else self.lower(s, f"{path}/properties/{_escape(n)}")
+        listed = {n: False if n in bad_names else self.lower(s, f"{path}/properties/{escape_pointer(n)}")
                   for n, s in names.items()}
         if any(listed[n] is False for n in required):
             return False
@@ -251,7 +251,7 @@ class SchemaLowering:
             return False
         additional = node.get("additionalProperties")
         additional = None if additional is None else self.lower(additional, f"{path}/additionalProperties")
-        lowered_patterns = {p: self.lower(s, f"{path}/patternProperties/{_escape(p)}")
+        lowered_patterns = {p: self.lower(s, f"{path}/patternProperties/{escape_pointer(p)}")
                             for p, s in patterns.items()}
         additional, lowered_patterns = self._drop_false_patterns(additional, lowered_patterns, path)
         forbidden = [n for n, s in listed.items() if s is False and n not in bad_names]
@@ -292,7 +292,7 @@ class SchemaLowering:
             return additional, patterns
         if len(patterns) > 1 or additional not in (None, False):
             for p in false:
-                self.problem("patternProperties", f"{path}/patternProperties/{_escape(p)}",
+                self.problem("patternProperties", f"{path}/patternProperties/{escape_pointer(p)}",
                              "properties matching it must be absent, but other keywords admit them")
         elif additional is None:
             additional = False  # narrower: unmatched names were allowed
@@ -332,7 +332,7 @@ class SchemaLowering:
                 additional = False
         by_pattern: dict[str, list[str]] = {}
         for p, schema in patterns.items():
-            clash = [n for n, s in listed.items() if pattern_search(p, n) and _canon(s) != _canon(schema)]
+            clash = [n for n, s in listed.items() if pattern_search(p, n) and canon(s) != canon(schema)]
             by_pattern[p] = clash + [n for n in forbidden if pattern_search(p, n)]
         if any(n in forbidden for ns in by_pattern.values() for n in ns) and additional is None:
             additional = False  # the excluded names must not fall to an open additionalProperties
@@ -344,13 +344,13 @@ class SchemaLowering:
             if by_pattern[p]:
                 narrowed = exclude_words(full, by_pattern[p])
                 if narrowed is None:
-                    self.problem("patternProperties", f"{path}/patternProperties/{_escape(p)}",
+                    self.problem("patternProperties", f"{path}/patternProperties/{escape_pointer(p)}",
                                  f"it matches properties {by_pattern[p]} that must keep their own schema "
                                  "(or be absent), and the grammar cannot exclude them from this pattern")
                 else:
                     full = narrowed
             kept[full] = schema
-        if len({_canon(s) for s in kept.values()}) > 1:
+        if len({canon(s) for s in kept.values()}) > 1:
             self.problem("patternProperties", path, "several patterns with different schemas: xgrammar checks "
                                                     "a key against one of them")
         return additional, kept

@@ -12,13 +12,13 @@ from arborlm.constrained.json_values import json_intersection
 from arborlm.constrained.schema_nodes import (
     MAX_BRANCHES,
     Schema,
-    _canon,
-    _intersect_types,
-    _lower_bound,
-    _mixed,
-    _set_bounds,
-    _tighter,
-    _upper_bound,
+    canon,
+    intersect_types,
+    lower_bound,
+    mixed,
+    set_bounds,
+    tighter,
+    upper_bound,
 )
 from arborlm.constrained.schema_patterns import pattern_search
 
@@ -47,7 +47,7 @@ class SchemaMerge:
                 flat.append(p)
         if not flat:
             return {}
-        if len(flat) == 1 and not _mixed(flat[0]):
+        if len(flat) == 1 and not mixed(flat[0]):
             return flat[0]
         if any("$ref" in p for p in flat):
             return self.merge_refs(flat, path)
@@ -95,7 +95,7 @@ class SchemaMerge:
             if any(b == {} for b in out):
                 return {}
             seen: set[str] = set()
-            out = [b for b in out if not (_canon(b) in seen or seen.add(_canon(b)))]
+            out = [b for b in out if not (canon(b) in seen or seen.add(canon(b)))]
         if not out:
             return False
         if len(out) == 1:
@@ -106,7 +106,7 @@ class SchemaMerge:
         """a ∧ b for two plain phase A dicts (no $ref, anyOf, oneOf)."""
         out: dict = {}
         if "type" in a or "type" in b:
-            types = _intersect_types(a.get("type"), b.get("type"))
+            types = intersect_types(a.get("type"), b.get("type"))
             if not types:
                 return False
             out["type"] = types
@@ -117,8 +117,8 @@ class SchemaMerge:
             if not values:
                 return False
             out["enum"] = values
-        _set_bounds(out, _tighter(_lower_bound(a), _lower_bound(b), max),
-                    _tighter(_upper_bound(a), _upper_bound(b), lambda bs: min(bs, key=lambda x: (x[0], not x[1]))))
+        set_bounds(out, tighter(lower_bound(a), lower_bound(b), max),
+                    tighter(upper_bound(a), upper_bound(b), lambda bs: min(bs, key=lambda x: (x[0], not x[1]))))
         if "multipleOf" in a or "multipleOf" in b:
             out["multipleOf"] = self._merge_multiple_of(a.get("multipleOf"), b.get("multipleOf"), path)
         for key, pick in (("minLength", max), ("maxLength", min), ("minItems", max), ("maxItems", min),

@@ -23,26 +23,26 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # A schema after normalisation: a dict, or False (accepts nothing). True is written {}.
 Schema = dict | bool
 
-_DRAFT_YEAR = {
+DRAFT_YEAR = {
     js_validators.Draft202012Validator: 2020,
     js_validators.Draft201909Validator: 2019,
     js_validators.Draft7Validator: 7,
     js_validators.Draft6Validator: 6,
     js_validators.Draft4Validator: 4,
 }
-_TYPES = ("array", "boolean", "integer", "null", "number", "object", "string")
+TYPES = ("array", "boolean", "integer", "null", "number", "object", "string")
 # Keywords that only constrain values of one type (`format` is left out: an annotation).
-_FAMILY_KEYWORDS = {
+FAMILY_KEYWORDS = {
     "object": ("properties", "required", "additionalProperties", "patternProperties",
                "propertyNames", "minProperties", "maxProperties"),
     "array": ("prefixItems", "items", "minItems", "maxItems"),
     "string": ("minLength", "maxLength", "pattern"),
     "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
 }
-_DEFS_PREFIX = "#/$defs/"
+DEFS_PREFIX = "#/$defs/"
 
 
-def _canon(value: Any) -> str:
+def canon(value: Any) -> str:
     return json.dumps(value, sort_keys=True)
 
 
@@ -50,29 +50,29 @@ def _canon(value: Any) -> str:
 # Types and bounds
 
 
-def _type_set(value: Any) -> list[str] | None:
+def type_set(value: Any) -> list[str] | None:
     """A schema's ``type`` as a canonical list (``number`` absorbs ``integer``)."""
     if value is None:
         return None
     names = {value} if isinstance(value, str) else set(value)
     if "number" in names:
         names.discard("integer")
-    return [t for t in _TYPES if t in names]
+    return [t for t in TYPES if t in names]
 
 
-def _intersect_types(a: list[str] | None, b: list[str] | None) -> list[str] | None:
+def intersect_types(a: list[str] | None, b: list[str] | None) -> list[str] | None:
     if a is None or b is None:
         return b if a is None else a
     out = []
-    for t in _TYPES:
+    for t in TYPES:
         in_a = t in a or (t == "integer" and "number" in a)
         in_b = t in b or (t == "integer" and "number" in b)
         if in_a and in_b:
             out.append(t)
-    return _type_set(out)
+    return type_set(out)
 
 
-def _lower_bound(node: dict) -> tuple[float, bool] | None:
+def lower_bound(node: dict) -> tuple[float, bool] | None:
     """(value, exclusive) of the tightest lower bound, or None."""
     bounds = []
     if "minimum" in node:
@@ -82,7 +82,7 @@ def _lower_bound(node: dict) -> tuple[float, bool] | None:
     return max(bounds, default=None, key=lambda b: (b[0], b[1]))
 
 
-def _upper_bound(node: dict) -> tuple[float, bool] | None:
+def upper_bound(node: dict) -> tuple[float, bool] | None:
     bounds = []
     if "maximum" in node:
         bounds.append((node["maximum"], False))
@@ -91,7 +91,7 @@ def _upper_bound(node: dict) -> tuple[float, bool] | None:
     return min(bounds, default=None, key=lambda b: (b[0], not b[1]))
 
 
-def _set_bounds(node: dict, lower: tuple | None, upper: tuple | None) -> None:
+def set_bounds(node: dict, lower: tuple | None, upper: tuple | None) -> None:
     for key in ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"):
         node.pop(key, None)
     if lower is not None:
@@ -100,7 +100,7 @@ def _set_bounds(node: dict, lower: tuple | None, upper: tuple | None) -> None:
         node["exclusiveMaximum" if upper[1] else "maximum"] = upper[0]
 
 
-def _tighter(a: tuple | None, b: tuple | None, pick: Callable) -> tuple | None:
+def tighter(a: tuple | None, b: tuple | None, pick: Callable) -> tuple | None:
     if a is None or b is None:
         return b if a is None else a
     return pick([a, b])
@@ -110,11 +110,11 @@ def _tighter(a: tuple | None, b: tuple | None, pick: Callable) -> tuple | None:
 # Pointers and node shapes
 
 
-def _escape(segment: str) -> str:
+def escape_pointer(segment: str) -> str:
     return str(segment).replace("~", "~0").replace("/", "~1")
 
 
-def _mixed(p: dict) -> bool:
+def mixed(p: dict) -> bool:
     """True when a phase A candidate has $ref or a combinator beside other keywords."""
     if len(p) <= 1:
         return False

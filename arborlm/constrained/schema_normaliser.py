@@ -18,17 +18,17 @@ from arborlm.constrained.json_values import json_intersection, unique
 from arborlm.constrained.schema_lowering import SchemaLowering
 from arborlm.constrained.schema_merge import SchemaMerge
 from arborlm.constrained.schema_nodes import (
-    _DEFS_PREFIX,
-    _DRAFT_YEAR,
-    _TYPES,
+    DEFS_PREFIX,
+    DRAFT_YEAR,
     PARAM,
+    TYPES,
     Schema,
-    _canon,
-    _escape,
-    _lower_bound,
-    _set_bounds,
-    _type_set,
-    _upper_bound,
+    canon,
+    escape_pointer,
+    lower_bound,
+    set_bounds,
+    type_set,
+    upper_bound,
 )
 
 # Most conjunctions of recursive references one schema may defer into new $defs entries.
@@ -49,7 +49,7 @@ _COMPANIONS = {"if": ("then", "else"), "contains": ("minContains", "maxContains"
                "minimum": ("exclusiveMinimum",), "maximum": ("exclusiveMaximum",)}
 
 
-class _Normaliser:
+class Normaliser:
     """Rewrites one schema document (see the `json_schema` module docstring, steps 2-4).
 
     Phase A (`node`, `merge`) maps the user's schema to an equivalent 2020-12
@@ -64,7 +64,7 @@ class _Normaliser:
 
     def __init__(self, root: dict, cls: type):
         self.root = root
-        self.year = _DRAFT_YEAR[cls]
+        self.year = DRAFT_YEAR[cls]
         self.keywords = frozenset(cls.VALIDATORS).union(
             *(_COMPANIONS.get(k, ()) for k in cls.VALIDATORS))
         self.spec = _SPECIFICATIONS[self.year]
@@ -125,7 +125,7 @@ class _Normaliser:
         if isinstance(value, dict):
             self.paths.setdefault(id(value), path)
             for k, v in value.items():
-                self._index_paths(v, f"{path}/{_escape(k)}")
+                self._index_paths(v, f"{path}/{escape_pointer(k)}")
         elif isinstance(value, list):
             for i, v in enumerate(value):
                 self._index_paths(v, f"{path}/{i}")
@@ -146,7 +146,7 @@ class _Normaliser:
         for name in seen:
             chain = [name]
             while isinstance(self.defs_a[chain[-1]], dict) and set(self.defs_a[chain[-1]]) == {"$ref"}:
-                chain.append(self.defs_a[chain[-1]]["$ref"][len(_DEFS_PREFIX) :])
+                chain.append(self.defs_a[chain[-1]]["$ref"][len(DEFS_PREFIX) :])
                 if chain[-1] in chain[:-1]:
                     where = self.targets[name][2] or "/"
                     raise GrammarError(f"json_schema: the $ref at {where} only leads to itself", PARAM)
@@ -181,7 +181,7 @@ class _Normaliser:
                 name = f"{base}_{k}"
             self.def_names[id(target)] = name
             self.targets[name] = (target, resolved.resolver, target_path)
-        return {"$ref": _DEFS_PREFIX + name}
+        return {"$ref": DEFS_PREFIX + name}
 
     def def_a(self, name: str) -> Schema:
         """Phase A form of a hoisted target (or of a deferred conjunction), computed once."""
@@ -205,12 +205,12 @@ class _Normaliser:
         being normalised (a recursive schema): then the conjunction becomes a
         new ``$defs`` entry, computed later, so the recursion stays a reference.
         """
-        names = sorted({p["$ref"][len(_DEFS_PREFIX) :] for p in flat if "$ref" in p})
+        names = sorted({p["$ref"][len(DEFS_PREFIX) :] for p in flat if "$ref" in p})
         plain = [{k: v for k, v in p.items() if k != "$ref"} for p in flat]
         plain = [p for p in plain if p != {}]
         if len(names) == 1 and not plain:
-            return {"$ref": _DEFS_PREFIX + names[0]}
-        key = (tuple(names), tuple(sorted(_canon(p) for p in plain)))
+            return {"$ref": DEFS_PREFIX + names[0]}
+        key = (tuple(names), tuple(sorted(canon(p) for p in plain)))
         if key in self.merging or any(n in self.unfolding for n in names):
             return self._deferred_ref(key, names, plain, path)
         self.merging.add(key)
@@ -224,14 +224,14 @@ class _Normaliser:
         if name is None:
             if len(self.deferred) >= MAX_DEFERRED:
                 self.problem("$ref", path, "too many recursive references merged with other keywords")
-                return {"$ref": _DEFS_PREFIX + names[0]}
+                return {"$ref": DEFS_PREFIX + names[0]}
             name = f"merged_{len(self.deferred) + 1}"
             while name in self.targets:
                 name += "_"
             self.deferred_names[key] = name
-            self.deferred[name] = [{"$ref": _DEFS_PREFIX + n} for n in names] + plain
+            self.deferred[name] = [{"$ref": DEFS_PREFIX + n} for n in names] + plain
             self.targets[name] = (None, None, path)
-        return {"$ref": _DEFS_PREFIX + name}
+        return {"$ref": DEFS_PREFIX + name}
 
     # -- phase A: one schema -------------------------------------------------
 
@@ -259,7 +259,7 @@ class _Normaliser:
 
     def _type_and_values(self, kw: dict, own: dict) -> None:
         if "type" in kw:
-            own["type"] = _type_set(kw["type"])
+            own["type"] = type_set(kw["type"])
         values = None
         if "enum" in kw:
             values = unique(kw["enum"])
@@ -277,9 +277,9 @@ class _Normaliser:
             if "maximum" in kw:
                 upper = (kw["maximum"], kw.get("exclusiveMaximum") is True)
         else:
-            lower = _lower_bound(kw)
-            upper = _upper_bound(kw)
-        _set_bounds(own, lower, upper)
+            lower = lower_bound(kw)
+            upper = upper_bound(kw)
+        set_bounds(own, lower, upper)
         if "multipleOf" in kw:
             own["multipleOf"] = kw["multipleOf"]
 
@@ -315,12 +315,12 @@ class _Normaliser:
     def _objects(self, kw: dict, own: dict, resolver: Any, path: str) -> None:
         if "properties" in kw:
             own["properties"] = {
-                name: self.node(s, resolver, f"{path}/properties/{_escape(name)}")
+                name: self.node(s, resolver, f"{path}/properties/{escape_pointer(name)}")
                 for name, s in kw["properties"].items()
             }
         if "patternProperties" in kw:
             own["patternProperties"] = {
-                pattern: self.node(s, resolver, f"{path}/patternProperties/{_escape(pattern)}")
+                pattern: self.node(s, resolver, f"{path}/patternProperties/{escape_pointer(pattern)}")
                 for pattern, s in kw["patternProperties"].items()
             }
         if "additionalProperties" in kw:
@@ -369,14 +369,14 @@ class _Normaliser:
             if "integer" in present and "number" not in present:
                 self.problem("not", path, "a grammar cannot exclude integers from numbers")
                 return {}
-            left = [t for t in _TYPES if t not in present and t != "integer"]
+            left = [t for t in TYPES if t not in present and t != "integer"]
             return {"type": left} if left else False
         if keys == {"required"} or (keys == {"required", "type"} and negated["type"] == ["object"]):
             names = negated["required"]
             absent = [{"type": ["object"], "properties": {n: False}} for n in names]
             if keys == {"required"}:  # non-objects satisfy `required`, so fail its negation
                 return absent[0] if len(absent) == 1 else {"anyOf": absent}
-            others = {"type": [t for t in _TYPES if t not in ("object", "integer")]}
+            others = {"type": [t for t in TYPES if t not in ("object", "integer")]}
             return {"anyOf": [others, *absent]}
         self.problem("not", path, "only the negation of {}, of a type or of required is supported")
         return {}
@@ -388,7 +388,7 @@ class _Normaliser:
                 if isinstance(dep, list):
                     requirement: Schema = {"required": list(dep)} if dep else {}
                 else:  # the schema applies to objects only, and only when `name` is present
-                    requirement = self.node(dep, resolver, f"{path}/{keyword}/{_escape(name)}")
+                    requirement = self.node(dep, resolver, f"{path}/{keyword}/{escape_pointer(name)}")
                     if name in kw.get("required", ()) and requirement != {}:
                         requirement = self.merger.merge([{"anyOf": [{"type": _NON_OBJECT}, requirement]}], path)
                 triggers.append((name, requirement))
@@ -411,8 +411,8 @@ def _refs_in(node: Any) -> list[str]:
         x = stack.pop()
         if isinstance(x, dict):
             ref = x.get("$ref")
-            if isinstance(ref, str) and ref.startswith(_DEFS_PREFIX):
-                out.append(ref[len(_DEFS_PREFIX) :])
+            if isinstance(ref, str) and ref.startswith(DEFS_PREFIX):
+                out.append(ref[len(DEFS_PREFIX) :])
             stack.extend(v for k, v in x.items() if k != "enum")
         elif isinstance(x, list):
             stack.extend(x)
