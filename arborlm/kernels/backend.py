@@ -107,19 +107,41 @@ class NativeDecodeMetadata:
     checked: bool = False
 
 
+@dataclass
+class NativeExtendMetadata:
+    """An EXTEND step for `NativeLayerOps.extend_attention`: request rows, lengths,
+    new-token counts and each request's first row of q, as contiguous int64 (batch,)
+    tensors made once per step; `checked` once the first layer passed `can_extend`."""
+
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    extend_seq_lens: torch.Tensor
+    extend_start_loc: torch.Tensor
+    checked: bool = False
+
+
 class TorchAttentionBackend(AttentionBackend):
     """The torch CPU path (`kernels/torch_native.py`): per-step metadata, runs on any device.
 
     With `native` (the C++ CPU kernels), DECODE steps whose tensors it takes attend
-    through `NativeLayerOps.decode_attention`, which reads K/V in place and needs no
-    per-step gather indices.
+    through `NativeLayerOps.decode_attention`, and on a CPU with AMX the EXTEND steps
+    through `NativeLayerOps.extend_attention`; both read K/V in place and need no
+    per-step gather indices. Other steps take `torch_native` (SDPA over a gather).
     """
 
     def __init__(self, native: NativeLayerOps | None = None):
         self.native = native
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        if self.native is not None and forward_batch.forward_mode.is_decode():
+        if self.native is not None and self.native.amx and forward_batch.forward_mode.is_extend():
+            extend_seq_lens = forward_batch.extend_seq_lens.to(torch.int64)
+            forward_batch.attn_metadata = NativeExtendMetadata(
+                forward_batch.req_pool_indices.to(torch.int64).contiguous(),
+                forward_batch.seq_lens.to(torch.int64).contiguous(),
+                extend_seq_lens.contiguous(),
+                (torch.cumsum(extend_seq_lens, 0) - extend_seq_lens).contiguous(),
+            )
+        elif self.native is not None and forward_batch.forward_mode.is_decode():
             # The layers check that the kernel takes their tensors, and fall back if not.
             forward_batch.attn_metadata = NativeDecodeMetadata(
                 forward_batch.req_pool_indices.to(torch.int64).contiguous(),
@@ -161,6 +183,14 @@ class TorchAttentionBackend(AttentionBackend):
                 )
             forward_batch.attn_metadata = None
         pool.set_kv_buffer(layer_id, forward_batch.out_cache_loc, k, v)
+        if isinstance(meta, NativeExtendMetadata):
+            if meta.checked or self.native.can_extend(q, k_buffer, v_buffer, req_to_token):
+                meta.checked = True
+                return self.native.extend_attention(
+                    q, k_buffer, v_buffer, req_to_token, meta.req_pool_indices, meta.seq_lens,
+                    meta.extend_seq_lens, meta.extend_start_loc, scale, sliding_window, logit_cap,
+                )
+            forward_batch.attn_metadata = None
         if forward_batch.attn_metadata is None:
             forward_batch.attn_metadata = self._torch_metadata(forward_batch)
         if forward_batch.forward_mode.is_decode():

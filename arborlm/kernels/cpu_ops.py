@@ -10,6 +10,9 @@ with one rounding to the tensor's dtype, as vLLM's and SGLang's CPU kernels do:
 - `rotary_` (in place, reading the cos/sin tables at each token's position),
 - `decode_attention` over the paged pool, reading K/V through `req_to_token` in
   place (no gather, no padding),
+- `extend_attention` (prefill) for bf16 on CPUs with AMX: every request's new
+  tokens against its pool rows, S = QK^T and O = PV on AMX tiles, K/V packed once
+  per (request, KV head) straight from the pool,
 - `linear` for bf16 on CPUs with AMX: up to `AMX_MAX_ROWS` rows (decode steps)
   go through AMX tiles over a weight packed once at load (`pack_amx_weight`),
   streaming the weights at the memory's speed; more rows go to oneDNN.
@@ -61,6 +64,10 @@ _SIGNATURES = {
     ),
     "arborlm_amx_ready": (),
     "arborlm_linear_bf16": (_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64),
+    "arborlm_extend_attention_bf16": (
+        _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32, _i64, _f32,
+        _ptr, _i64,
+    ),
 }
 _RESTYPES = {"arborlm_amx_ready": ctypes.c_int}
 # The AMX linear layer: K is consumed 32 bf16 at a time, output columns 32 at a time.
@@ -410,6 +417,51 @@ class NativeLayerOps(LayerOps):
             out.data_ptr(), out.stride(0), *store,
         )
         return out
+
+    def extend_attention(
+        self,
+        q: torch.Tensor,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        extend_seq_lens: torch.Tensor,
+        extend_start_loc: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_cap: float = 0.0,
+    ) -> torch.Tensor:
+        """Attention of an EXTEND step's new tokens over the paged pool (bf16, AMX).
+
+        q: (num_tokens, num_q_heads, head_dim), new tokens request after request.
+        k_buffer, v_buffer: (slots, num_kv_heads, head_dim) contiguous, already holding
+        the new tokens' K/V. req_pool_indices, seq_lens, extend_seq_lens,
+        extend_start_loc (each request's first row of q): (batch,) int64 CPU,
+        contiguous (the caller converts them once per step). Semantics as
+        `reference.extend_attention`, with the probabilities rounded to bf16 before
+        they weigh V; indices are not range-checked. Check `can_extend` first.
+
+        Returns (num_tokens, num_q_heads, head_dim) bf16.
+        """
+        num_tokens, num_q_heads, head_dim = q.shape
+        out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype)
+        self.lib.arborlm_extend_attention_bf16(
+            q.data_ptr(), q.stride(0), k_buffer.data_ptr(), v_buffer.data_ptr(), req_to_token.data_ptr(),
+            req_to_token.stride(0), req_pool_indices.data_ptr(), seq_lens.data_ptr(), extend_seq_lens.data_ptr(),
+            extend_start_loc.data_ptr(), req_pool_indices.shape[0], num_q_heads, k_buffer.shape[1], head_dim,
+            scale, sliding_window or 0, logit_cap, out.data_ptr(), out.stride(0),
+        )
+        return out
+
+    def can_extend(self, q, k_buffer, v_buffer, req_to_token) -> bool:
+        """Whether `extend_attention` takes these tensors: AMX, bf16, head_dim a multiple
+        of 32, at most 32 query heads per KV head, and `can_decode`'s layouts."""
+        return (
+            self.amx and q.dtype is torch.bfloat16 and q.dim() == 3 and q.shape[2] % AMX_STEP_K == 0
+            and k_buffer.dim() == 3 and q.shape[1] // max(k_buffer.shape[1], 1) <= 2 * 16
+            and self.can_decode(q, k_buffer, v_buffer, req_to_token)
+        )
 
     @staticmethod
     def can_decode(q, k_buffer, v_buffer, req_to_token, new_kv=None) -> bool:

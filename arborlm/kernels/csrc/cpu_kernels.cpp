@@ -563,6 +563,193 @@ void linear_bf16(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t in_f
     if (configured >= 0) _tile_release();
   }
 }
+
+// ---- paged extend (prefill) attention on AMX tiles ---------------------------
+//
+// Why: torch's SDPA over a padded gather spent about as long as the linear layers
+// in a prefill of a few requests. Here each (request, KV head) packs its keys and
+// values once from the pool (through `req_to_token`: no gather, no padding) into
+// the B-tile layout of `linear_block`, then each block of up to 32 query rows (the
+// group's heads of up to 32 / group tokens) computes S = Q K^T on tiles, a float32
+// softmax over the keys its tokens see (causal, sliding window, logit cap), and
+// O = P V on tiles (P rounded to bf16, as flash attention's CPU kernels do).
+// The scheme of FlashAttention (Dao et al., 2022) with whole rows of scores: a
+// block's scores fit in L2 for the context lengths served here.
+
+constexpr int64_t kAmxTileElems = 16 * 32;  // bf16 elements of one B tile
+
+// Pack rows [0, len) of one KV head of a pool layer as the (keys x D) weight of
+// `linear_block` (keys padded to 32 with zeros): S = Q K^T is a linear layer.
+void pack_keys(const uint16_t* buffer, const int32_t* slots, int64_t len, int64_t kv_heads, int64_t head,
+               int64_t head_dim, int64_t keys_pad, uint16_t* out) {
+  const int64_t d_steps = head_dim / kAmxStepK;
+  std::memset(out, 0, keys_pad * head_dim * sizeof(uint16_t));
+  for (int64_t j = 0; j < len; ++j) {
+    const uint32_t* row = reinterpret_cast<const uint32_t*>(buffer + (static_cast<int64_t>(slots[j]) * kv_heads + head) * head_dim);
+    const int64_t block = j / kAmxBlockN, sub = (j % kAmxBlockN) / 16, col = j % 16;
+    uint32_t* dst = reinterpret_cast<uint32_t*>(out) + ((block * d_steps) * 2 + sub) * (kAmxTileElems / 2) + col;
+    for (int64_t ds = 0; ds < d_steps; ++ds)
+      for (int64_t pair = 0; pair < 16; ++pair) dst[ds * kAmxTileElems + pair * 16] = row[ds * 16 + pair];
+  }
+}
+
+// Pack rows [0, len) of one KV head as the (D x keys) weight of `linear_block`
+// (V^T; keys padded to 32 with zeros): O = P V is a linear layer.
+void pack_values(const uint16_t* buffer, const int32_t* slots, int64_t len, int64_t kv_heads, int64_t head,
+                 int64_t head_dim, int64_t keys_pad, uint16_t* out) {
+  const int64_t k_steps = keys_pad / kAmxStepK;
+  std::memset(out, 0, keys_pad * head_dim * sizeof(uint16_t));
+  for (int64_t j = 0; j < len; ++j) {
+    const uint16_t* row = buffer + (static_cast<int64_t>(slots[j]) * kv_heads + head) * head_dim;
+    const int64_t step = j / kAmxStepK, pair = (j % kAmxStepK) / 2, half = j % 2;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      const int64_t block = d / kAmxBlockN, sub = (d % kAmxBlockN) / 16, col = d % 16;
+      out[((block * k_steps + step) * 2 + sub) * kAmxTileElems + pair * 32 + col * 2 + half] = row[d];
+    }
+  }
+}
+
+// Scores s[0, len) of one query row -> bf16 probabilities p[0, len): the float32
+// softmax of the scaled (and capped) scores. Vector loops throughout: a prefill
+// has a score per (query row, key).
+inline void softmax_row_bf16(float* s, int64_t len, float scale, float logit_cap, uint16_t* p) {
+  const int64_t vec_end = len - len % 16;
+  __m512 mx16 = _mm512_set1_ps(-INFINITY);
+  if (logit_cap > 0.f) {
+    for (int64_t j = 0; j < len; ++j) s[j] = capped(s[j], scale, logit_cap);
+    for (int64_t j = 0; j < vec_end; j += 16) mx16 = _mm512_max_ps(mx16, _mm512_loadu_ps(s + j));
+  } else {
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    for (int64_t j = 0; j < vec_end; j += 16) {
+      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(s + j), scale16);
+      _mm512_storeu_ps(s + j, v);
+      mx16 = _mm512_max_ps(mx16, v);
+    }
+    for (int64_t j = vec_end; j < len; ++j) s[j] *= scale;
+  }
+  float mx = _mm512_reduce_max_ps(mx16);
+  for (int64_t j = vec_end; j < len; ++j) mx = std::max(mx, s[j]);
+  const __m512 max16 = _mm512_set1_ps(mx);
+  __m512 sum16 = _mm512_setzero_ps();
+  for (int64_t j = 0; j < vec_end; j += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), max16));
+    _mm512_storeu_ps(s + j, e);
+    sum16 = _mm512_add_ps(sum16, e);
+  }
+  float sum = _mm512_reduce_add_ps(sum16);
+  for (int64_t j = vec_end; j < len; ++j) {
+    s[j] = fast_exp(s[j] - mx);
+    sum += s[j];
+  }
+  const float inv = 1.f / sum;
+  const __m512 inv16 = _mm512_set1_ps(inv);
+  for (int64_t j = 0; j < vec_end; j += 16) store16(p + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv16));
+  for (int64_t j = vec_end; j < len; ++j) p[j] = f32_to_bf16(s[j] * inv);
+}
+
+struct ExtendShape {
+  int64_t q_heads, kv_heads, head_dim, group, tokens_per_block;
+  float scale, logit_cap;
+  int64_t window;
+};
+
+struct ExtendScratch {
+  std::vector<uint16_t> q;    // (32, head_dim): the block's query rows
+  std::vector<float> scores;  // (32, keys): float32 scores, then probabilities
+  std::vector<uint16_t> probs;  // (32, keys): bf16 probabilities, zero where masked
+  alignas(64) float acc[2 * kAmxRows][kAmxBlockN];
+};
+
+// One block of query rows of one request and KV head: `nt` tokens from token
+// `t0` of the request, whose first new token is at position `prefix`.
+void extend_block(const uint16_t* q, int64_t q_stride, const uint16_t* keys, const uint16_t* values, int64_t keys_pad,
+                  int64_t prefix, int64_t t0, int64_t nt, int64_t head, const ExtendShape& sh, uint16_t* out,
+                  int64_t out_stride, ExtendScratch& scratch, int& configured) {
+  const int64_t rows = nt * sh.group, d_steps = sh.head_dim / kAmxStepK;
+  for (int64_t t = 0; t < nt; ++t)
+    std::memcpy(scratch.q.data() + t * sh.group * sh.head_dim, q + (t0 + t) * q_stride + head * sh.group * sh.head_dim,
+                sh.group * sh.head_dim * sizeof(uint16_t));
+  const int64_t first_pos = prefix + t0, last_pos = prefix + t0 + nt - 1;
+  const int64_t lo_block = sh.window > 0 ? std::max<int64_t>(0, first_pos - sh.window + 1) / kAmxBlockN : 0;
+  const int64_t hi_block = last_pos / kAmxBlockN + 1;  // key blocks [lo_block, hi_block) are seen
+  const int r0 = static_cast<int>(std::min(kAmxRows, rows)), r1 = static_cast<int>(rows - r0);
+  if (r0 * 64 + r1 != configured) {
+    configure_tiles(r0, r1);
+    configured = r0 * 64 + r1;
+  }
+  float* scores = scratch.scores.data();
+  uint16_t* probs = scratch.probs.data();
+  for (int64_t kb = lo_block; kb < hi_block; ++kb) {
+    linear_block(scratch.q.data(), sh.head_dim, r0, r1, d_steps, keys + kb * d_steps * kAmxBlockElems, scratch.acc);
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(scores + r * keys_pad + kb * kAmxBlockN, scratch.acc[r], kAmxBlockN * sizeof(float));
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t pos = prefix + t0 + r / sh.group;
+    const int64_t lo = sh.window > 0 ? std::max<int64_t>(0, pos - sh.window + 1) : 0, hi = pos + 1;
+    uint16_t* p = probs + r * keys_pad;
+    std::memset(p + lo_block * kAmxBlockN, 0, (lo - lo_block * kAmxBlockN) * sizeof(uint16_t));
+    std::memset(p + hi, 0, (hi_block * kAmxBlockN - hi) * sizeof(uint16_t));
+    softmax_row_bf16(scores + r * keys_pad + lo, hi - lo, sh.scale, sh.logit_cap, p + lo);
+  }
+  const int64_t k_steps = keys_pad / kAmxStepK;
+  for (int64_t db = 0; db < sh.head_dim / kAmxBlockN; ++db) {
+    linear_block(probs + lo_block * kAmxBlockN, keys_pad, r0, r1, hi_block - lo_block,
+                 values + (db * k_steps + lo_block) * kAmxBlockElems, scratch.acc);
+    for (int64_t r = 0; r < rows; ++r) {
+      uint16_t* o = out + (t0 + r / sh.group) * out_stride + (head * sh.group + r % sh.group) * sh.head_dim + db * kAmxBlockN;
+      for (int half = 0; half < 2; ++half)
+        store16(o + 16 * half, _mm512_load_ps(&scratch.acc[r][16 * half]));
+    }
+  }
+}
+
+void extend_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k_buffer, const uint16_t* v_buffer,
+                           const int32_t* req_to_token, int64_t req_to_token_stride, const int64_t* req_pool_indices,
+                           const int64_t* seq_lens, const int64_t* extend_lens, const int64_t* extend_starts,
+                           int64_t batch, const ExtendShape& sh, uint16_t* out, int64_t out_stride) {
+  // Packed K and V of every (request, KV head), then the query blocks, both in parallel.
+  std::vector<int64_t> offsets(batch + 1, 0), block_starts(batch + 1, 0);
+  int64_t max_keys = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t keys_pad = (seq_lens[b] + kAmxBlockN - 1) / kAmxBlockN * kAmxBlockN;
+    offsets[b + 1] = offsets[b] + keys_pad * sh.head_dim * sh.kv_heads;
+    block_starts[b + 1] = block_starts[b] + (extend_lens[b] + sh.tokens_per_block - 1) / sh.tokens_per_block;
+    max_keys = std::max(max_keys, keys_pad);
+  }
+  std::vector<uint16_t> keys(offsets[batch]), values(offsets[batch]);
+  const int64_t units = block_starts[batch] * sh.kv_heads;
+#pragma omp parallel
+  {
+#pragma omp for collapse(2) schedule(dynamic, 1)
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t h = 0; h < sh.kv_heads; ++h) {
+        const int64_t keys_pad = (seq_lens[b] + kAmxBlockN - 1) / kAmxBlockN * kAmxBlockN;
+        const int64_t at = offsets[b] + h * keys_pad * sh.head_dim;
+        const int32_t* slots = req_to_token + req_pool_indices[b] * req_to_token_stride;
+        pack_keys(k_buffer, slots, seq_lens[b], sh.kv_heads, h, sh.head_dim, keys_pad, keys.data() + at);
+        pack_values(v_buffer, slots, seq_lens[b], sh.kv_heads, h, sh.head_dim, keys_pad, values.data() + at);
+      }
+    ExtendScratch scratch;
+    scratch.q.resize(2 * kAmxRows * sh.head_dim);
+    scratch.scores.resize(2 * kAmxRows * max_keys);
+    scratch.probs.resize(2 * kAmxRows * max_keys);
+    int configured = -1;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t unit = 0; unit < units; ++unit) {
+      const int64_t h = unit % sh.kv_heads, block = unit / sh.kv_heads;
+      const int64_t b = std::upper_bound(block_starts.begin(), block_starts.end(), block) - block_starts.begin() - 1;
+      const int64_t t0 = (block - block_starts[b]) * sh.tokens_per_block;
+      const int64_t nt = std::min(sh.tokens_per_block, extend_lens[b] - t0);
+      const int64_t keys_pad = (seq_lens[b] + kAmxBlockN - 1) / kAmxBlockN * kAmxBlockN;
+      const int64_t at = offsets[b] + h * keys_pad * sh.head_dim;
+      extend_block(q + extend_starts[b] * q_stride, q_stride, keys.data() + at, values.data() + at, keys_pad,
+                   seq_lens[b] - extend_lens[b], t0, nt, h, sh, out + extend_starts[b] * out_stride, out_stride,
+                   scratch, configured);
+    }
+    if (configured >= 0) _tile_release();
+  }
+}
 #endif  // ARBORLM_AMX
 
 }  // namespace
@@ -656,6 +843,28 @@ void arborlm_linear_bf16(const void* x, int64_t x_stride, int64_t rows, int64_t 
 #if defined(ARBORLM_AMX)
   linear_bf16(static_cast<const uint16_t*>(x), x_stride, rows, in_features, static_cast<const uint16_t*>(packed),
               out_features, static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(out), out_stride);
+#endif
+}
+
+// Attention of an EXTEND step's new tokens (bf16, AMX): q (tokens, q_heads,
+// head_dim) with token stride q_stride, request b's new tokens at rows
+// [extend_starts[b], + extend_lens[b]) at positions [seq_lens[b] - extend_lens[b],
+// seq_lens[b]); its keys are pool slots req_to_token[req_pool_indices[b], :seq_lens[b]]
+// (the new tokens' K/V already stored). head_dim a multiple of 32, q_heads /
+// kv_heads at most 32. window <= 0: none; logit_cap <= 0: none. Only valid after
+// `arborlm_amx_ready()` returned 1.
+void arborlm_extend_attention_bf16(const void* q, int64_t q_stride, const void* k_buffer, const void* v_buffer,
+                                   const int32_t* req_to_token, int64_t req_to_token_stride,
+                                   const int64_t* req_pool_indices, const int64_t* seq_lens,
+                                   const int64_t* extend_lens, const int64_t* extend_starts, int64_t batch,
+                                   int64_t q_heads, int64_t kv_heads, int64_t head_dim, float scale, int64_t window,
+                                   float logit_cap, void* out, int64_t out_stride) {
+#if defined(ARBORLM_AMX)
+  const int64_t group = q_heads / kv_heads;
+  const ExtendShape shape{q_heads, kv_heads, head_dim, group, 2 * kAmxRows / group, scale, logit_cap, window};
+  extend_attention_bf16(static_cast<const uint16_t*>(q), q_stride, static_cast<const uint16_t*>(k_buffer),
+                        static_cast<const uint16_t*>(v_buffer), req_to_token, req_to_token_stride, req_pool_indices,
+                        seq_lens, extend_lens, extend_starts, batch, shape, static_cast<uint16_t*>(out), out_stride);
 #endif
 }
 
