@@ -180,6 +180,9 @@ from arborlm.constrained.schema_normaliser import Normaliser
 
 # Most refused keywords named in one error message.
 MAX_NAMED_PROBLEMS = 8
+# Longest schema accepted, in characters of its JSON text: far above real schemas (a
+# 20000-value enum is ~300k), and it bounds the work a request can make the front do.
+MAX_SCHEMA_CHARS = 1 << 20
 
 _VALIDATORS = (
     js_validators.Draft202012Validator,
@@ -229,7 +232,8 @@ def prepare_json_schema(schema: str | dict | bool, *, lenient: bool = False) -> 
     Raises
     ------
     GrammarError
-        (``param="json_schema"``) The text is not JSON (with line and column),
+        (``param="json_schema"``) The JSON text is longer than `MAX_SCHEMA_CHARS`
+        or not JSON (with line and column),
         the value is not an object or boolean, it is not a valid JSON Schema of
         its dialect (with the path), a ``$ref`` cannot be resolved inside the
         schema, the schema accepts no value, or (unless ``lenient``) it uses
@@ -281,7 +285,16 @@ def validate_json_output(prepared: PreparedSchema, text: str) -> str | None:
 
 
 def _load_schema(schema: Any) -> Any:
+    if not isinstance(schema, (str, bool)):
+        try:  # a private copy, with JSON types only
+            schema = json.dumps(schema, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise GrammarError(f"json_schema is not JSON-serialisable: {e}", PARAM) from e
     if isinstance(schema, str):
+        if len(schema) > MAX_SCHEMA_CHARS:
+            raise GrammarError(
+                f"json_schema is {len(schema)} characters of JSON; the limit is {MAX_SCHEMA_CHARS}", PARAM
+            )
         try:
             value = _strict_json_loads(schema)
         except json.JSONDecodeError as e:
@@ -291,10 +304,7 @@ def _load_schema(schema: Any) -> Any:
         except ValueError as e:
             raise GrammarError(f"json_schema is not valid JSON: {e}", PARAM) from e
     else:
-        try:  # a private copy, with JSON types only
-            value = json.loads(json.dumps(schema, allow_nan=False))
-        except (TypeError, ValueError) as e:
-            raise GrammarError(f"json_schema is not JSON-serialisable: {e}", PARAM) from e
+        value = schema
     if not isinstance(value, (dict, bool)):
         raise GrammarError(
             f"json_schema must be a JSON object or a boolean, got {type(value).__name__}", PARAM

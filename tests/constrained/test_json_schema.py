@@ -502,3 +502,16 @@ def test_disjoint_oneof_becomes_anyof(branches, exclusive):
     lowered = json.loads(prepare_json_schema(schema).text)
     assert ("anyOf" in lowered, "oneOf" in lowered) == (exclusive, not exclusive)
     assert len(lowered["anyOf" if exclusive else "oneOf"]) == len(branches)
+
+
+@pytest.mark.parametrize("as_text", [True, False], ids=["text", "dict"])
+def test_schema_over_the_size_limit_is_refused_before_any_work(as_text):
+    from arborlm.constrained.json_schema import MAX_SCHEMA_CHARS
+
+    values = [f"v{i:07d}" for i in range(MAX_SCHEMA_CHARS // 10)]  # 11 characters each in JSON
+    schema = {"type": "string", "enum": values}
+    with pytest.raises(GrammarError) as info:
+        prepare_json_schema(json.dumps(schema) if as_text else schema)
+    assert info.value.param == "json_schema" and f"the limit is {MAX_SCHEMA_CHARS}" in info.value.message
+    small = {"type": "string", "enum": values[:1000]}
+    assert json.loads(prepare_json_schema(json.dumps(small) if as_text else small).text)["enum"] == values[:1000]

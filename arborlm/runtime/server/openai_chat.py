@@ -97,8 +97,11 @@ async def chat_completions(request: Request) -> Response:
     state.check_model(req.model)
     manager = state.live_manager()
     plan = await asyncio.to_thread(plan_tools, req, state.server_args.grammar.grammar_backend)
-    input_ids = render_chat(state.tokenizer, req.messages, req.continue_final_message, req.chat_template_kwargs,
-                            tools=plan.definitions if plan else None)
+    # Rendering a long conversation takes a while: a worker thread, so the loop serves others meanwhile.
+    input_ids = await asyncio.to_thread(
+        render_chat, state.tokenizer, req.messages, req.continue_final_message, req.chat_template_kwargs,
+        tools=plan.definitions if plan else None,
+    )
     context = state.model_info.context_length
     check_prompt_len(len(input_ids), context, "messages")
     limit_param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
