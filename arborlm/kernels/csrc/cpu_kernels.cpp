@@ -580,31 +580,55 @@ constexpr int64_t kAmxTileElems = 16 * 32;  // bf16 elements of one B tile
 
 // Pack rows [0, len) of one KV head of a pool layer as the (keys x D) weight of
 // `linear_block` (keys padded to 32 with zeros): S = Q K^T is a linear layer.
+// A B tile holds 16 keys x 16 dim pairs: a 16 x 16 transpose of 32-bit pairs.
 void pack_keys(const uint16_t* buffer, const int32_t* slots, int64_t len, int64_t kv_heads, int64_t head,
                int64_t head_dim, int64_t keys_pad, uint16_t* out) {
   const int64_t d_steps = head_dim / kAmxStepK;
-  std::memset(out, 0, keys_pad * head_dim * sizeof(uint16_t));
-  for (int64_t j = 0; j < len; ++j) {
-    const uint32_t* row = reinterpret_cast<const uint32_t*>(buffer + (static_cast<int64_t>(slots[j]) * kv_heads + head) * head_dim);
-    const int64_t block = j / kAmxBlockN, sub = (j % kAmxBlockN) / 16, col = j % 16;
-    uint32_t* dst = reinterpret_cast<uint32_t*>(out) + ((block * d_steps) * 2 + sub) * (kAmxTileElems / 2) + col;
-    for (int64_t ds = 0; ds < d_steps; ++ds)
-      for (int64_t pair = 0; pair < 16; ++pair) dst[ds * kAmxTileElems + pair * 16] = row[ds * 16 + pair];
+  alignas(64) uint32_t rows[16][16];
+  for (int64_t j0 = 0; j0 < keys_pad; j0 += 16) {
+    const int64_t block = j0 / kAmxBlockN, sub = (j0 % kAmxBlockN) / 16;
+    for (int64_t ds = 0; ds < d_steps; ++ds) {
+      for (int64_t c = 0; c < 16; ++c) {
+        if (j0 + c < len) {
+          const uint16_t* row = buffer + (static_cast<int64_t>(slots[j0 + c]) * kv_heads + head) * head_dim;
+          std::memcpy(rows[c], row + ds * kAmxStepK, 64);
+        } else {
+          std::memset(rows[c], 0, 64);
+        }
+      }
+      uint32_t* tile = reinterpret_cast<uint32_t*>(out + ((block * d_steps + ds) * 2 + sub) * kAmxTileElems);
+      for (int64_t pair = 0; pair < 16; ++pair) {
+        const __m512i column = _mm512_i32gather_epi32(
+            _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240),
+            &rows[0][pair], 4);
+        _mm512_storeu_si512(tile + pair * 16, column);
+      }
+    }
   }
 }
 
 // Pack rows [0, len) of one KV head as the (D x keys) weight of `linear_block`
-// (V^T; keys padded to 32 with zeros): O = P V is a linear layer.
+// (V^T; keys padded to 32 with zeros): O = P V is a linear layer. A B tile row
+// interleaves two keys' values for 16 dims.
 void pack_values(const uint16_t* buffer, const int32_t* slots, int64_t len, int64_t kv_heads, int64_t head,
                  int64_t head_dim, int64_t keys_pad, uint16_t* out) {
   const int64_t k_steps = keys_pad / kAmxStepK;
-  std::memset(out, 0, keys_pad * head_dim * sizeof(uint16_t));
-  for (int64_t j = 0; j < len; ++j) {
-    const uint16_t* row = buffer + (static_cast<int64_t>(slots[j]) * kv_heads + head) * head_dim;
-    const int64_t step = j / kAmxStepK, pair = (j % kAmxStepK) / 2, half = j % 2;
-    for (int64_t d = 0; d < head_dim; ++d) {
-      const int64_t block = d / kAmxBlockN, sub = (d % kAmxBlockN) / 16, col = d % 16;
-      out[((block * k_steps + step) * 2 + sub) * kAmxTileElems + pair * 32 + col * 2 + half] = row[d];
+  alignas(64) static const uint16_t kInterleave[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  for (int64_t j = 0; j < keys_pad; j += 2) {
+    const uint16_t* even = j < len ? buffer + (static_cast<int64_t>(slots[j]) * kv_heads + head) * head_dim : nullptr;
+    const uint16_t* odd =
+        j + 1 < len ? buffer + (static_cast<int64_t>(slots[j + 1]) * kv_heads + head) * head_dim : nullptr;
+    const int64_t step = j / kAmxStepK, pair = (j % kAmxStepK) / 2;
+    for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+      const __m512i a = even ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(even + d0)))
+                             : _mm512_setzero_si512();
+      const __m512i b = odd ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(odd + d0)))
+                            : _mm512_setzero_si512();
+      const int64_t block = d0 / kAmxBlockN, sub = (d0 % kAmxBlockN) / 16;
+      _mm512_storeu_si512(out + ((block * k_steps + step) * 2 + sub) * kAmxTileElems + pair * 32,
+                          _mm512_permutex2var_epi16(a, interleave, b));
     }
   }
 }
@@ -708,14 +732,18 @@ void extend_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* 
                            const int32_t* req_to_token, int64_t req_to_token_stride, const int64_t* req_pool_indices,
                            const int64_t* seq_lens, const int64_t* extend_lens, const int64_t* extend_starts,
                            int64_t batch, const ExtendShape& sh, uint16_t* out, int64_t out_stride) {
-  // Packed K and V of every (request, KV head), then the query blocks, both in parallel.
+  // Keys packed per (request, KV head) for requests of several new tokens; a
+  // one-token request (a decode token riding along) reads the pool in place
+  // through `decode_one`, which costs less than packing its keys.
+  auto packed_keys = [&](int64_t b) {
+    return extend_lens[b] > 1 ? (seq_lens[b] + kAmxBlockN - 1) / kAmxBlockN * kAmxBlockN : int64_t{0};
+  };
   std::vector<int64_t> offsets(batch + 1, 0), block_starts(batch + 1, 0);
   int64_t max_keys = 0;
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t keys_pad = (seq_lens[b] + kAmxBlockN - 1) / kAmxBlockN * kAmxBlockN;
-    offsets[b + 1] = offsets[b] + keys_pad * sh.head_dim * sh.kv_heads;
+    offsets[b + 1] = offsets[b] + packed_keys(b) * sh.head_dim * sh.kv_heads;
     block_starts[b + 1] = block_starts[b] + (extend_lens[b] + sh.tokens_per_block - 1) / sh.tokens_per_block;
-    max_keys = std::max(max_keys, keys_pad);
+    max_keys = std::max(max_keys, packed_keys(b));
   }
   std::vector<uint16_t> keys(offsets[batch]), values(offsets[batch]);
   const int64_t units = block_starts[batch] * sh.kv_heads;
@@ -724,7 +752,8 @@ void extend_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* 
 #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t b = 0; b < batch; ++b)
       for (int64_t h = 0; h < sh.kv_heads; ++h) {
-        const int64_t keys_pad = (seq_lens[b] + kAmxBlockN - 1) / kAmxBlockN * kAmxBlockN;
+        const int64_t keys_pad = packed_keys(b);
+        if (keys_pad == 0) continue;
         const int64_t at = offsets[b] + h * keys_pad * sh.head_dim;
         const int32_t* slots = req_to_token + req_pool_indices[b] * req_to_token_stride;
         pack_keys(k_buffer, slots, seq_lens[b], sh.kv_heads, h, sh.head_dim, keys_pad, keys.data() + at);
@@ -734,18 +763,25 @@ void extend_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* 
     scratch.q.resize(2 * kAmxRows * sh.head_dim);
     scratch.scores.resize(2 * kAmxRows * max_keys);
     scratch.probs.resize(2 * kAmxRows * max_keys);
+    DecodeScratch decode_scratch;
     int configured = -1;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t unit = 0; unit < units; ++unit) {
       const int64_t h = unit % sh.kv_heads, block = unit / sh.kv_heads;
       const int64_t b = std::upper_bound(block_starts.begin(), block_starts.end(), block) - block_starts.begin() - 1;
+      const uint16_t* q_b = q + extend_starts[b] * q_stride;
+      uint16_t* out_b = out + extend_starts[b] * out_stride;
+      if (extend_lens[b] == 1) {
+        decode_one(q_b, k_buffer, v_buffer, req_to_token + req_pool_indices[b] * req_to_token_stride, seq_lens[b],
+                   sh.kv_heads, h, sh.group, sh.head_dim, sh.scale, sh.window, sh.logit_cap, out_b, decode_scratch);
+        continue;
+      }
       const int64_t t0 = (block - block_starts[b]) * sh.tokens_per_block;
       const int64_t nt = std::min(sh.tokens_per_block, extend_lens[b] - t0);
-      const int64_t keys_pad = (seq_lens[b] + kAmxBlockN - 1) / kAmxBlockN * kAmxBlockN;
+      const int64_t keys_pad = packed_keys(b);
       const int64_t at = offsets[b] + h * keys_pad * sh.head_dim;
-      extend_block(q + extend_starts[b] * q_stride, q_stride, keys.data() + at, values.data() + at, keys_pad,
-                   seq_lens[b] - extend_lens[b], t0, nt, h, sh, out + extend_starts[b] * out_stride, out_stride,
-                   scratch, configured);
+      extend_block(q_b, q_stride, keys.data() + at, values.data() + at, keys_pad, seq_lens[b] - extend_lens[b], t0,
+                   nt, h, sh, out_b, out_stride, scratch, configured);
     }
     if (configured >= 0) _tile_release();
   }
