@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from arborlm.kernels import cpu_ops, reference
+from arborlm.kernels import reference
 from arborlm.kernels.cpu_ops import NativeLayerOps
 
 # (prefix, new) tokens per request of a step
@@ -25,15 +25,8 @@ STEPS = {
 
 
 @pytest.fixture(scope="module")
-def ops(tmp_path_factory) -> NativeLayerOps:
-    try:
-        lib = cpu_ops.load_library(tmp_path_factory.mktemp("kernels-amx-attn"))
-    except cpu_ops.KernelBuildError as e:
-        pytest.skip(f"the native CPU kernels do not build here ({e}); the torch path is tested instead")
-    native = NativeLayerOps(lib)
-    if not native.amx:
-        pytest.skip("no AMX on this CPU or compiler: extend steps use torch's SDPA, tested in test_torch_native")
-    return native
+def ops(amx_ops) -> NativeLayerOps:
+    return amx_ops
 
 
 def make_step(lens, q_heads, kv_heads, head_dim, seed=0):

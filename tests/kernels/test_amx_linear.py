@@ -20,15 +20,8 @@ BF16_RTOL = 1 / 128
 
 
 @pytest.fixture(scope="module")
-def ops(tmp_path_factory) -> NativeLayerOps:
-    try:
-        lib = cpu_ops.load_library(tmp_path_factory.mktemp("kernels-amx"))
-    except cpu_ops.KernelBuildError as e:
-        pytest.skip(f"the native CPU kernels do not build here ({e}); the torch ops are tested instead")
-    native = NativeLayerOps(lib)
-    if not native.amx:
-        pytest.skip("no AMX on this CPU or compiler: linear layers take oneDNN, tested in test_cpu_ops")
-    return native
+def ops(amx_ops) -> NativeLayerOps:
+    return amx_ops
 
 
 def weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
