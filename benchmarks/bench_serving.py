@@ -321,6 +321,20 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def loads_of(args: argparse.Namespace) -> list[Load]:
     """The loads to run: one per request rate (inf = all at once: `--max-concurrency` clients,
     else `--num-requests`), else one per concurrency."""
@@ -359,18 +373,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     work.add_argument("--range-ratio", type=float, default=0.5, help="random: lengths drawn from [len*ratio, len]")
     work.add_argument("--seed", type=int, default=0)
     arrivals = p.add_argument_group("arrivals and bounds")
-    arrivals.add_argument("--concurrency", type=_csv(int), default=[8],
+    arrivals.add_argument("--concurrency", type=_csv(_positive_int), default=[8],
                           help="comma list: clients running sessions back to back (one run each)")
-    arrivals.add_argument("--request-rate", type=_csv(float), default=None,
+    arrivals.add_argument("--request-rate", type=_csv(_positive_float), default=None,
                           help="comma list of Poisson session arrival rates per second (one run each; "
                                "inf = all at once); replaces --concurrency")
-    arrivals.add_argument("--max-concurrency", type=int, help="with --request-rate: at most this many sessions at once")
-    arrivals.add_argument("--num-requests", type=int, default=64, help="requests per run (0: no count bound)")
-    arrivals.add_argument("--time-limit", type=float, help="seconds per run after which no request starts")
-    arrivals.add_argument("--warmup", type=int, default=1, help="unmeasured requests before each run")
+    arrivals.add_argument("--max-concurrency", type=_positive_int, help="with --request-rate: at most this many sessions at once")
+    arrivals.add_argument("--num-requests", type=_count, default=64, help="requests per run (0: no count bound)")
+    arrivals.add_argument("--time-limit", type=_positive_float, help="seconds per run after which no request starts")
+    arrivals.add_argument("--warmup", type=_count, default=1, help="unmeasured requests before each run")
     arrivals.add_argument("--no-flush-cache", dest="flush_cache", action="store_false",
                           help="do not POST /flush_cache before each run")
-    arrivals.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    arrivals.add_argument("--request-timeout", type=_positive_float, default=600.0, help="seconds per request")
     sampling = p.add_argument_group("sampling")
     sampling.add_argument("--temperature", type=float, default=0.0)
     sampling.add_argument("--no-ignore-eos", action="store_true",
@@ -395,6 +409,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
     if args.extra_body is not None and not isinstance(args.extra_body, dict):
         p.error("--extra-body must be a JSON object")
+    if not args.summarize:
+        try:
+            check_loopback(args.base_url)
+        except ValueError as e:
+            p.error(str(e))
     return args
 
 
@@ -441,6 +460,11 @@ def main(argv: list[str] | None = None) -> int:
             with args.result_jsonl.open("a") as f:
                 f.write(json.dumps(record) + "\n")
     report(records, args)
+    dead = [r["metrics"] for r in records if r["metrics"]["errors"] and not r["metrics"]["completed"]]
+    if dead:
+        print(f"every request of {len(dead)} run(s) failed (first: {next(iter(dead[0]['error_kinds']))}); "
+              f"is the server at {args.base_url} up?", file=sys.stderr)
+        return 1
     return 0
 
 

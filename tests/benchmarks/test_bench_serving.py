@@ -195,3 +195,41 @@ def test_markdown_table_row():
     lines = table.splitlines()
     assert len(lines) == 3 and lines[0].count("|") == lines[1].count("|") == lines[2].count("|")
     assert "| arborlm | json | c=8 |" in lines[2] and "| 50% |" in lines[2] and "| 0/1 |" in lines[2]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--concurrency", "-2"], "--concurrency: must be >= 1"),
+    (["--concurrency", "4,0"], "--concurrency: must be >= 1"),
+    (["--num-requests", "-3"], "--num-requests: must be >= 0"),
+    (["--num-requests", "0", "--time-limit", "-1"], "--time-limit: must be > 0"),
+    (["--request-rate", "0"], "--request-rate: must be > 0"),
+    (["--request-rate", "2,-1"], "--request-rate: must be > 0"),
+    (["--request-rate", "1", "--max-concurrency", "0"], "--max-concurrency: must be >= 1"),
+    (["--warmup", "-1"], "--warmup: must be >= 0"),
+    (["--base-url", "http://10.0.0.1:30000"], "is not a loopback address"),
+])
+def test_bad_arguments_stop_before_any_request(argv, needle, capsys):
+    from benchmarks.bench_serving import parse_args
+
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_a_run_where_every_request_fails_exits_nonzero(tmp_path, capsys):
+    """No server on the port: every request records a connection error, the record is
+    still written, and the exit status and message say the server is not there."""
+    import json
+    import socket
+
+    from benchmarks.bench_serving import main
+
+    with socket.socket() as s:  # a free port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "r.jsonl"
+    code = main(["--base-url", f"http://127.0.0.1:{port}", "--num-requests", "2", "--warmup", "0",
+                 "--model", "m", "--result-jsonl", str(out), "--disable-progress"])
+    assert code == 1 and "is the server at" in capsys.readouterr().err
+    metrics = json.loads(out.read_text())["metrics"]
+    assert (metrics["completed"], metrics["errors"]) == (0, 2)
