@@ -218,9 +218,15 @@ void rotary_rows(T* x, int64_t token_stride, int64_t tokens, int64_t heads, int6
 // Softmax over `len` float32 scores in place (max-subtracted).
 inline void softmax_inplace(float* sg, int64_t len) {
   float mx = -INFINITY;
-  for (int64_t t = 0; t < len; ++t) mx = sg[t] > mx ? sg[t] : mx;
-  float denom = 0.f;
   int64_t t = 0;
+#if defined(__AVX512F__)
+  __m512 max16 = _mm512_set1_ps(-INFINITY);
+  for (; t < vector_end(len); t += kLanes) max16 = _mm512_max_ps(max16, _mm512_loadu_ps(sg + t));
+  mx = _mm512_reduce_max_ps(max16);
+#endif
+  for (; t < len; ++t) mx = sg[t] > mx ? sg[t] : mx;
+  float denom = 0.f;
+  t = 0;
 #if defined(__AVX512F__)
   const __m512 mx16 = _mm512_set1_ps(mx);
   __m512 sum16 = _mm512_setzero_ps();
@@ -633,42 +639,20 @@ void pack_values(const uint16_t* buffer, const int32_t* slots, int64_t len, int6
   }
 }
 
-// Scores s[0, len) of one query row -> bf16 probabilities p[0, len): the float32
-// softmax of the scaled (and capped) scores. Vector loops throughout: a prefill
-// has a score per (query row, key).
+// Scores s[0, len) of one query row -> bf16 probabilities p[0, len): `softmax_inplace` of
+// the scaled (and capped) scores, rounded once.
 inline void softmax_row_bf16(float* s, int64_t len, float scale, float logit_cap, uint16_t* p) {
   const int64_t vec_end = len - len % 16;
-  __m512 mx16 = _mm512_set1_ps(-INFINITY);
   if (logit_cap > 0.f) {
     for (int64_t j = 0; j < len; ++j) s[j] = capped(s[j], scale, logit_cap);
-    for (int64_t j = 0; j < vec_end; j += 16) mx16 = _mm512_max_ps(mx16, _mm512_loadu_ps(s + j));
   } else {
     const __m512 scale16 = _mm512_set1_ps(scale);
-    for (int64_t j = 0; j < vec_end; j += 16) {
-      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(s + j), scale16);
-      _mm512_storeu_ps(s + j, v);
-      mx16 = _mm512_max_ps(mx16, v);
-    }
+    for (int64_t j = 0; j < vec_end; j += 16) _mm512_storeu_ps(s + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), scale16));
     for (int64_t j = vec_end; j < len; ++j) s[j] *= scale;
   }
-  float mx = _mm512_reduce_max_ps(mx16);
-  for (int64_t j = vec_end; j < len; ++j) mx = std::max(mx, s[j]);
-  const __m512 max16 = _mm512_set1_ps(mx);
-  __m512 sum16 = _mm512_setzero_ps();
-  for (int64_t j = 0; j < vec_end; j += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), max16));
-    _mm512_storeu_ps(s + j, e);
-    sum16 = _mm512_add_ps(sum16, e);
-  }
-  float sum = _mm512_reduce_add_ps(sum16);
-  for (int64_t j = vec_end; j < len; ++j) {
-    s[j] = fast_exp(s[j] - mx);
-    sum += s[j];
-  }
-  const float inv = 1.f / sum;
-  const __m512 inv16 = _mm512_set1_ps(inv);
-  for (int64_t j = 0; j < vec_end; j += 16) store16(p + j, _mm512_mul_ps(_mm512_loadu_ps(s + j), inv16));
-  for (int64_t j = vec_end; j < len; ++j) p[j] = f32_to_bf16(s[j] * inv);
+  softmax_inplace(s, len);
+  for (int64_t j = 0; j < vec_end; j += 16) store16(p + j, _mm512_loadu_ps(s + j));
+  for (int64_t j = vec_end; j < len; ++j) p[j] = f32_to_bf16(s[j]);
 }
 
 struct ExtendShape {
