@@ -122,14 +122,10 @@ def test_a_bf16_model_generates_the_same_tokens_as_with_onednn(ops, tiny_llama_d
     assert with_amx == with_onednn and all(len(t) == 24 for t in with_amx.values())
 
 
-def test_without_amx_the_native_ops_keep_onednn(tmp_path_factory):
+def test_without_amx_the_native_ops_keep_onednn(native_lib):
     """Where AMX is missing (`amx` False), bf16 weights get oneDNN's prepacked copy, as
     with the torch ops, and the results are oneDNN's."""
-    try:
-        lib = cpu_ops.load_library(tmp_path_factory.mktemp("kernels-no-amx"))
-    except cpu_ops.KernelBuildError as e:
-        pytest.skip(f"the native CPU kernels do not build here ({e})")
-    native = NativeLayerOps(lib)
+    native = NativeLayerOps(native_lib)
     native.amx = False
     w, x = weight(96, 64), rows(4, 64)
     packed = native.pack_linear(w)

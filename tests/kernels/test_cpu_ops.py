@@ -15,9 +15,7 @@ compute, within one bfloat16 ulp.
 from __future__ import annotations
 
 import logging
-import os
 import platform
-import shutil
 from pathlib import Path
 
 import pytest
@@ -32,15 +30,6 @@ BUILDS = {"native": (), "no-avx512": ("-mno-avx512f",)}
 DTYPES = [torch.float32, torch.bfloat16]
 DIMS = [7, 33, 100, 576]  # 576 = 36 vectors of 16; the others end in a scalar tail
 ROWS = [1, 2048]  # 2048 rows cross the OpenMP threshold at every dim but 7
-
-
-@pytest.fixture(scope="module")
-def compiler() -> str:
-    """The C++ compiler `build_library` would use; the test is skipped without one."""
-    found = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if found is None:
-        pytest.skip("no C++ compiler (g++ or $CXX) to build the native CPU kernels")
-    return found
 
 
 @pytest.fixture(scope="module", params=list(BUILDS))

@@ -104,13 +104,10 @@ def test_mixed_extend_matches_reference(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("prefix_lens, extend_lens, num_q_heads, num_kv_heads, sliding_window, logit_cap", MIXED_CASES)
 def test_mixed_extend_with_the_native_decode_matches_reference(
-    prefix_lens, extend_lens, num_q_heads, num_kv_heads, sliding_window, logit_cap, dtype
+    prefix_lens, extend_lens, num_q_heads, num_kv_heads, sliding_window, logit_cap, dtype, native_lib
 ):
     """The backend's mixed path: the one-token requests go through the C++ decode kernel."""
-    lib = cpu_ops.native_library()
-    if lib is None:
-        pytest.skip("the native CPU kernels could not be built here (no C++ compiler, or see the logged warning); the torch path is tested above")
-    native = cpu_ops.NativeLayerOps(lib)
+    native = cpu_ops.NativeLayerOps(native_lib)
     c = extend_case(prefix_lens, extend_lens, num_q_heads, num_kv_heads, sliding_window, logit_cap, dtype, seed=4)
     metadata = torch_native.build_extend_step_metadata(
         c.req_to_token, c.req_pool_indices, c.seq_lens, c.prefix, c.new, list(extend_lens), c.seq_lens.tolist(),
