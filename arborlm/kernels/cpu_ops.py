@@ -77,6 +77,9 @@ AMX_BLOCK_N = 32
 # row, 0.78x at 8, 0.85x at 54, 1.07x at 378, 1.2-1.4x at 800-1600); longer inputs
 # (prefills) take oneDNN's GEMM.
 AMX_MAX_ROWS = 64
+# Query rows of one attention block on AMX tiles (two 16-row tiles): a KV head's
+# group of query heads must fit, so extend attention takes at most 32 per KV head.
+AMX_QUERY_ROWS = 32
 
 
 class KernelBuildError(RuntimeError):
@@ -459,7 +462,7 @@ class NativeLayerOps(LayerOps):
         of 32, at most 32 query heads per KV head, and `can_decode`'s layouts."""
         return (
             self.amx and q.dtype is torch.bfloat16 and q.dim() == 3 and q.shape[2] % AMX_STEP_K == 0
-            and k_buffer.dim() == 3 and q.shape[1] // max(k_buffer.shape[1], 1) <= 2 * 16
+            and k_buffer.dim() == 3 and q.shape[1] // max(k_buffer.shape[1], 1) <= AMX_QUERY_ROWS
             and self.can_decode(q, k_buffer, v_buffer, req_to_token)
         )
 

@@ -881,6 +881,7 @@ void arborlm_extend_attention_bf16(const void* q, int64_t q_stride, const void* 
                                    float logit_cap, void* out, int64_t out_stride) {
 #if defined(ARBORLM_AMX)
   const int64_t group = q_heads / kv_heads;
+  if (group < 1 || group > 2 * kAmxRows) return;  // refused by `can_extend`: a block could not hold the group
   const ExtendShape shape{q_heads, kv_heads, head_dim, group, 2 * kAmxRows / group, scale, logit_cap, window};
   extend_attention_bf16(static_cast<const uint16_t*>(q), q_stride, static_cast<const uint16_t*>(k_buffer),
                         static_cast<const uint16_t*>(v_buffer), req_to_token, req_to_token_stride, req_pool_indices,
