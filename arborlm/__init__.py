@@ -10,6 +10,7 @@ The public API mirrors SGLang's, so `import arborlm as sgl` runs SGLang programs
 OpenAI-compatible server), and `SamplingParams`.
 """
 
+from arborlm.entrypoints.engine import Engine
 from arborlm.frontend_lang.api import (
     assistant,
     assistant_begin,
@@ -40,10 +41,11 @@ from arborlm.frontend_lang.choices import (
 )
 from arborlm.frontend_lang.function import CompiledFunction, SglFunction
 from arborlm.frontend_lang.program_state import ProgramState, ProgramStateGroup
-from arborlm.runtime.engine import Engine
-from arborlm.runtime.sampling import SamplingParams
+from arborlm.sampling_params import SamplingParams
+from arborlm.version import __version__
 
 __all__ = [
+    "__version__",
     "BaseBackend",
     "CompiledFunction",
     "Engine",
@@ -75,4 +77,3 @@ __all__ = [
     "user_begin",
     "user_end",
 ]
-__version__ = "0.1.0"

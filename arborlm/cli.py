@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as e:
         parser.error(str(e))
     if namespace.command == "serve":
-        from arborlm.runtime.server import launch_server
+        from arborlm.entrypoints.launch_server import launch_server
 
         try:
             launch_server(server_args)

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arborlm.runtime.config import ServerArgs  # noqa: E402
 from arborlm.runtime.io_struct import TokenizedGenerateReqInput  # noqa: E402
-from arborlm.runtime.sampling_params import SamplingParams  # noqa: E402
 from arborlm.runtime.scheduler import Scheduler  # noqa: E402
+from arborlm.sampling_params import SamplingParams  # noqa: E402
 
 VARIANTS = {"cpu kernels": False, "torch ops": True}  # name -> disable_cpu_kernels
 

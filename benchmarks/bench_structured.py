@@ -42,8 +42,8 @@ from arborlm.constrained.grammar_spec import grammar_spec_from_params  # noqa: E
 from arborlm.runtime.config import ServerArgs  # noqa: E402
 from arborlm.runtime.io_struct import TokenizedGenerateReqInput  # noqa: E402
 from arborlm.runtime.model_loader import resolve_checkpoint  # noqa: E402
-from arborlm.runtime.sampling import SamplingParams  # noqa: E402
 from arborlm.runtime.scheduler import Scheduler  # noqa: E402
+from arborlm.sampling_params import SamplingParams  # noqa: E402
 
 DATA = next((p / "shared" / "data" / "jsonschemabench" for p in ROOT.parents
              if (p / "shared" / "data" / "jsonschemabench").is_dir()), Path("/work/shared/data/jsonschemabench"))

@@ -25,7 +25,7 @@ from arborlm.constrained.json_schema import (
     prepare_json_schema,
     validate_json_output,
 )
-from arborlm.runtime.sampling import SamplingParams
+from arborlm.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

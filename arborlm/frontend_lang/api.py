@@ -49,7 +49,7 @@ def as_backend(backend: Any) -> BaseBackend:
     """
     if isinstance(backend, BaseBackend):
         return backend
-    from arborlm.runtime.engine import Engine
+    from arborlm.entrypoints.engine import Engine
 
     if isinstance(backend, Engine):
         from arborlm.frontend_lang.backend.engine_backend import EngineBackend

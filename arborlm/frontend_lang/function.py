@@ -16,9 +16,9 @@ import os
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
+from arborlm.chat_template import ChatTemplate
 from arborlm.frontend_lang.api import resolve_backend
 from arborlm.frontend_lang.backend.base_backend import BaseBackend
-from arborlm.frontend_lang.chat_template import ChatTemplate
 from arborlm.frontend_lang.interpreter import StreamExecutor
 from arborlm.frontend_lang.program_state import ProgramState
 from arborlm.frontend_lang.tracer import TracedProgram, trace_program

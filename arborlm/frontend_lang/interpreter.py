@@ -20,8 +20,8 @@ import queue
 import threading
 from typing import Any
 
+from arborlm.chat_template import ChatTemplate
 from arborlm.frontend_lang.backend.base_backend import BaseBackend
-from arborlm.frontend_lang.chat_template import ChatTemplate
 from arborlm.frontend_lang.ir import (
     SglConstantText,
     SglExpr,

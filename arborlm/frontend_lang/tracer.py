@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from arborlm.frontend_lang.chat_template import ChatTemplate
+from arborlm.chat_template import ChatTemplate
 from arborlm.frontend_lang.ir import (
     ROLES,
     SglConstantText,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from arborlm.runtime.sampling import SamplingParams
+from arborlm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from arborlm.constrained.grammar_spec import GrammarSpec
@@ -95,3 +95,46 @@ class BatchTokenOut:
     """All request outputs of one scheduler step."""
 
     outputs: list[ReqOutput]
+
+
+@dataclass
+class GenerateReqInput:
+    """One request as the front receives it (text or token ids, not both).
+
+    sampling_params: a dict of `SamplingParams` fields (validated here).
+    logprob_start_len: first prompt position to return logprobs for; -1 = none.
+    cache_salt: keeps this request's cached prefixes apart from other salts'
+        (refused until the radix cache namespaces its keys).
+    """
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: dict[str, Any] | SamplingParams | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+    rid: str | None = None
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts about the loaded model that the front needs."""
+
+    checkpoint: str
+    architecture: str
+    dtype: str
+    device: str
+    vocab_size: int
+    context_length: int
+    max_total_tokens: int
+    max_running_requests: int
+    eos_token_ids: tuple[int, ...]
+
+
+def finish_reason_to_matched_stop(finish_reason: dict[str, Any] | None) -> Any:
+    """`matched_stop` of SGLang's meta info: the stop token id or string, else None."""
+    if finish_reason and finish_reason.get("type") == "stop":
+        return finish_reason.get("matched")
+    return None

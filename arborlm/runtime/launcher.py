@@ -1,5 +1,5 @@
 """Start, watch and stop the scheduler process: the one piece of code the in-process
-`Engine` and the HTTP server (`arborlm.runtime.server`) share.
+`Engine` and the HTTP server (`arborlm.entrypoints`) share.
 
 `launch_scheduler` spawns `run_scheduler_process` (model, pools, radix cache)
 behind two zmq IPC sockets in a private temporary folder and waits until the
@@ -25,7 +25,7 @@ from multiprocessing.process import BaseProcess
 
 from arborlm.errors import EngineDeadError, ModelLoadError
 from arborlm.runtime.config import ServerArgs
-from arborlm.runtime.model_runner import ModelInfo
+from arborlm.runtime.io_struct import ModelInfo
 from arborlm.runtime.scheduler_process import PortArgs, Shutdown, run_scheduler_process
 
 logger = logging.getLogger(__name__)

@@ -285,8 +285,8 @@ def load_model(
     if device.type == "cpu":
         set_cpu_threads()
     hf_config = AutoConfig.from_pretrained(str(checkpoint))
-    from arborlm.kernels.backend import create_attention_backend
     from arborlm.kernels.cpu_ops import layer_ops
+    from arborlm.runtime.layers.attention_backend import create_attention_backend
 
     ops = layer_ops(device, native=cpu_kernels)
     attn_backend = create_attention_backend(attention_backend, device, ops if ops.native else None)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 
 from arborlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
-from arborlm.runtime.batch import ForwardBatch, LogitsOutput
 from arborlm.runtime.config import ServerArgs
+from arborlm.runtime.forward_batch_info import ForwardBatch, LogitsOutput
+from arborlm.runtime.io_struct import ModelInfo
 from arborlm.runtime.model_loader import load_model, resolve_checkpoint, resolve_dtype
 
 logger = logging.getLogger(__name__)
@@ -24,21 +24,6 @@ logger = logging.getLogger(__name__)
 EXTRA_REQ_ROWS = 4
 # Keep the CPU KV pool modest by default: the model shares the machine's RAM.
 MAX_DEFAULT_CPU_TOKENS = 1 << 17
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """Facts about the loaded model that the front needs."""
-
-    checkpoint: str
-    architecture: str
-    dtype: str
-    device: str
-    vocab_size: int
-    context_length: int
-    max_total_tokens: int
-    max_running_requests: int
-    eos_token_ids: tuple[int, ...]
 
 
 def _available_memory_bytes(device: torch.device) -> int:

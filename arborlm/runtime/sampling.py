@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from arborlm.runtime.sampling_params import MAX_N, SamplingParams  # noqa: F401  (re-exported)
+from arborlm.sampling_params import SamplingParams
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from arborlm.runtime.batch import ForwardBatch, ForwardMode
-from arborlm.runtime.sampling import SamplingParams
+from arborlm.runtime.forward_batch_info import ForwardBatch, ForwardMode
+from arborlm.sampling_params import SamplingParams
 
 
 @dataclass(eq=False)  # identity semantics: requests are compared and looked up by object

@@ -24,8 +24,8 @@ from arborlm.constrained.grammar_manager import (
 )
 from arborlm.constrained.jump_forward import jump_forward_tokens
 from arborlm.radix_cache.radix_cache import MatchResult, RadixCache
-from arborlm.runtime.batch import ForwardMode
 from arborlm.runtime.config import ServerArgs
+from arborlm.runtime.forward_batch_info import ForwardMode
 from arborlm.runtime.io_struct import (
     AbortReq,
     FlushCacheReq,

@@ -10,13 +10,13 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from arborlm.constrained.base import allocate_vocab_mask, apply_vocab_mask
-from arborlm.runtime.batch import ForwardBatch, LogitsOutput
 from arborlm.runtime.detokenizer import RequestDecoder
+from arborlm.runtime.forward_batch_info import ForwardBatch, LogitsOutput
 from arborlm.runtime.io_struct import ReqOutput
 from arborlm.runtime.sampling import Sampler, SamplingBatchInfo, compute_logprobs, make_generator
 from arborlm.runtime.schedule_batch import Req
@@ -253,10 +253,3 @@ class SchedulerOutputProcessor:
         if req.finished:
             self.forget(req)
         return out
-
-
-def finish_reason_to_matched_stop(finish_reason: dict[str, Any] | None) -> Any:
-    """`matched_stop` of SGLang's meta info: the stop token id or string, else None."""
-    if finish_reason and finish_reason.get("type") == "stop":
-        return finish_reason.get("matched")
-    return None

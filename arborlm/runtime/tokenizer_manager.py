@@ -32,37 +32,17 @@ from arborlm.runtime.io_struct import (
     AbortReq,
     BatchTokenOut,
     FlushCacheReq,
+    GenerateReqInput,
     GetInfoReq,
     InfoOut,
+    ModelInfo,
     ReqOutput,
     TokenizedGenerateReqInput,
+    finish_reason_to_matched_stop,
 )
-from arborlm.runtime.model_runner import ModelInfo
-from arborlm.runtime.sampling import SamplingParams
-from arborlm.runtime.scheduler_output import finish_reason_to_matched_stop
+from arborlm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class GenerateReqInput:
-    """One request as the front receives it (text or token ids, not both).
-
-    sampling_params: a dict of `SamplingParams` fields (validated here).
-    logprob_start_len: first prompt position to return logprobs for; -1 = none.
-    cache_salt: keeps this request's cached prefixes apart from other salts'
-        (refused until the radix cache namespaces its keys).
-    """
-
-    text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: dict[str, Any] | SamplingParams | None = None
-    return_logprob: bool = False
-    logprob_start_len: int = -1
-    top_logprobs_num: int = 0
-    stream: bool = False
-    rid: str | None = None
-    cache_salt: str | None = None
 
 
 @dataclass

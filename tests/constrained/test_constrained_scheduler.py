@@ -17,9 +17,8 @@ from arborlm.constrained.base import CompiledGrammar, GrammarBackend, GrammarErr
 from arborlm.constrained.grammar_manager import GrammarManager
 from arborlm.constrained.grammar_spec import grammar_spec_from_params
 from arborlm.errors import InvalidRequestError
-from arborlm.runtime.io_struct import TokenizedGenerateReqInput
-from arborlm.runtime.sampling import SamplingParams
-from arborlm.runtime.scheduler_output import finish_reason_to_matched_stop
+from arborlm.runtime.io_struct import TokenizedGenerateReqInput, finish_reason_to_matched_stop
+from arborlm.sampling_params import SamplingParams
 from tests.runtime.scheduler_helpers import (
     assert_idle_pools,
     create_scheduler,

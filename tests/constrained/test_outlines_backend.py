@@ -342,7 +342,7 @@ LENIENT = [
 @pytest.mark.parametrize(("value", "dropped", "text"), LENIENT, ids=[str(i) for i in range(len(LENIENT))])
 def test_lenient_mode_relaxes_what_outlines_enforces_only_in_part(tokenizer, eos, compile_key, value, dropped, text):
     from arborlm.constrained.grammar_spec import grammar_spec_from_params
-    from arborlm.runtime.sampling import SamplingParams
+    from arborlm.sampling_params import SamplingParams
 
     with pytest.raises(GrammarError, match="Set json_schema_lenient"):
         grammar_spec_from_params(SamplingParams(json_schema=value), "outlines")
@@ -358,7 +358,7 @@ def test_lenient_mode_relaxes_what_outlines_enforces_only_in_part(tokenizer, eos
 
 def test_lenient_mode_output_is_still_validated_against_the_dropped_bound(tokenizer, eos, compile_key):
     from arborlm.constrained.grammar_spec import grammar_spec_from_params
-    from arborlm.runtime.sampling import SamplingParams
+    from arborlm.sampling_params import SamplingParams
 
     spec = grammar_spec_from_params(SamplingParams(json_schema={"type": "integer", "minimum": 3},
                                                    json_schema_lenient=True), "outlines")
@@ -376,7 +376,7 @@ def test_lenient_mode_output_is_still_validated_against_the_dropped_bound(tokeni
 )
 def test_lenient_mode_still_refuses_what_outlines_cannot_run(value, message):
     from arborlm.constrained.grammar_spec import grammar_spec_from_params
-    from arborlm.runtime.sampling import SamplingParams
+    from arborlm.sampling_params import SamplingParams
 
     with pytest.raises(GrammarError) as info:
         grammar_spec_from_params(SamplingParams(json_schema=value, json_schema_lenient=True), "outlines")

@@ -16,7 +16,7 @@ import pytest
 import arborlm
 from arborlm.constrained.grammar_spec import grammar_spec_from_params
 from arborlm.errors import InvalidRequestError
-from arborlm.runtime.sampling import SamplingParams
+from arborlm.sampling_params import SamplingParams
 from tests.shared_data import jsonschemabench_dir
 
 pytestmark = pytest.mark.smollm

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 import arborlm as sgl
+from arborlm.chat_template import ChatTemplate
 from arborlm.errors import InvalidRequestError
 from arborlm.frontend_lang.backend.base_backend import BaseBackend
-from arborlm.frontend_lang.chat_template import ChatTemplate
 
 
 class RecordingBackend(BaseBackend):

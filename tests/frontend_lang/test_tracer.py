@@ -8,8 +8,8 @@ import threading
 import pytest
 
 import arborlm as sgl
+from arborlm.chat_template import ChatTemplate
 from arborlm.frontend_lang.backend.base_backend import BaseBackend, UnsupportedByBackendError
-from arborlm.frontend_lang.chat_template import ChatTemplate
 from arborlm.frontend_lang.choices import (
     greedy_token_selection,
     token_length_normalized,

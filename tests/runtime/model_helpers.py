@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from arborlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
-from arborlm.runtime.batch import ForwardBatch, ForwardMode, LogitsOutput
+from arborlm.runtime.forward_batch_info import ForwardBatch, ForwardMode, LogitsOutput
 
 
 def head_dim_of(config) -> int:

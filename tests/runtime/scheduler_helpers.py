@@ -8,8 +8,8 @@ import torch
 
 from arborlm.runtime.config import ServerArgs
 from arborlm.runtime.io_struct import ReqOutput, TokenizedGenerateReqInput
-from arborlm.runtime.sampling import SamplingParams
 from arborlm.runtime.scheduler import Scheduler
+from arborlm.sampling_params import SamplingParams
 
 
 def create_scheduler(model_dir, tokenizer, **overrides) -> Scheduler:

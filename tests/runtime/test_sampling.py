@@ -398,7 +398,7 @@ def test_compute_logprobs_prompt_positions():
 
 def test_n_is_bounded():
     from arborlm.errors import InvalidRequestError
-    from arborlm.runtime.sampling import MAX_N
+    from arborlm.sampling_params import MAX_N
 
     SamplingParams(n=MAX_N).verify(49152)
     with pytest.raises(InvalidRequestError) as err:

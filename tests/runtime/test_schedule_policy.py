@@ -7,9 +7,9 @@ import torch
 
 from arborlm.radix_cache.memory_pool import TokenToKVPoolAllocator
 from arborlm.radix_cache.radix_cache import RadixCache
-from arborlm.runtime.sampling import SamplingParams
 from arborlm.runtime.schedule_batch import Req
 from arborlm.runtime.schedule_policy import PrefillAdder, SchedulePolicy
+from arborlm.sampling_params import SamplingParams
 
 
 def fake_req(rid: str, ids: list[int], max_new_tokens: int = 16) -> Req:

@@ -59,7 +59,7 @@ def test_openapi_operation_ids_are_unique():
     # GET and POST /flush_cache once shared one function and one operation id (FastAPI warned)
     from types import SimpleNamespace
 
-    from arborlm.runtime.server.app import create_app
+    from arborlm.entrypoints.http_server import create_app
 
     app = create_app(SimpleNamespace(server_args=ServerArgs()))
     with warnings.catch_warnings():

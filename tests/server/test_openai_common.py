@@ -11,9 +11,9 @@ import pytest
 
 from arborlm.constrained.base import GrammarError
 from arborlm.constrained.json_schema import prepare_json_schema
-from arborlm.runtime.server import native_api
-from arborlm.runtime.server.errors import APIError, _loc_to_param
-from arborlm.runtime.server.openai_common import (
+from arborlm.entrypoints import native_api
+from arborlm.entrypoints.http_errors import APIError, _loc_to_param
+from arborlm.entrypoints.openai.common import (
     abort_message,
     build_all,
     check_possible,
@@ -23,9 +23,9 @@ from arborlm.runtime.server.openai_common import (
     openai_errors,
     sampling_params,
 )
-from arborlm.runtime.server.protocol import ChatCompletionRequest, CompletionRequest
-from arborlm.runtime.server.tool_calls import plan_tools
-from arborlm.runtime.tokenizer_manager import GenerateReqInput
+from arborlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from arborlm.entrypoints.openai.tool_calls import plan_tools
+from arborlm.runtime.io_struct import GenerateReqInput
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 

@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from arborlm.runtime.server.protocol import ChatCompletionRequest
-from arborlm.runtime.server.tool_calls import delta_of, plan_tools, tool_message
-from arborlm.runtime.server.tool_parser import (
+from arborlm.entrypoints.openai.protocol import ChatCompletionRequest
+from arborlm.entrypoints.openai.tool_calls import delta_of, plan_tools, tool_message
+from arborlm.entrypoints.openai.tool_parser import (
     ArgumentsDelta,
     CallStart,
     TextDelta,
@@ -17,7 +17,7 @@ from arborlm.runtime.server.tool_parser import (
     call_begin,
     parse_tool_calls,
 )
-from arborlm.runtime.server.tool_prompt import content_with_calls, with_tools_described
+from arborlm.entrypoints.openai.tool_prompt import content_with_calls, with_tools_described
 
 
 def block(name: str, arguments: str) -> str:

@@ -18,8 +18,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+from arborlm.chat_template import ChatTemplate
 from arborlm.errors import InvalidRequestError
-from arborlm.frontend_lang.chat_template import ChatTemplate
 
 
 class UnsupportedByBackendError(InvalidRequestError):

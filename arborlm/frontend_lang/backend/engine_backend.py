@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from arborlm.chat_template import ChatTemplate
 from arborlm.frontend_lang.backend.base_backend import BaseBackend, StreamChunk
-from arborlm.frontend_lang.chat_template import ChatTemplate
 
 
 class EngineBackend(BaseBackend):

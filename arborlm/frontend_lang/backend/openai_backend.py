@@ -19,13 +19,13 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from arborlm.chat_template import ChatTemplate
 from arborlm.errors import ArborError, InvalidRequestError
 from arborlm.frontend_lang.backend.base_backend import (
     BaseBackend,
     StreamChunk,
     UnsupportedByBackendError,
 )
-from arborlm.frontend_lang.chat_template import ChatTemplate
 
 # SamplingParams field -> OpenAI request field.
 _OPENAI_FIELDS = {"max_new_tokens": "max_tokens", "stop": "stop", "temperature": "temperature", "top_p": "top_p",

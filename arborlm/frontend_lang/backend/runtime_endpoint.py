@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from arborlm.chat_template import ChatTemplate
 from arborlm.errors import (
     ArborError,
     EngineDeadError,
@@ -29,7 +30,6 @@ from arborlm.errors import (
     ServerOverloadedError,
 )
 from arborlm.frontend_lang.backend.base_backend import BaseBackend, StreamChunk
-from arborlm.frontend_lang.chat_template import ChatTemplate
 
 CONNECT_TIMEOUT_S = 10.0
 # The server's error `code` → the typed error the in-process Engine raises for it.

@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from arborlm.errors import ModelLoadError
-from arborlm.kernels.backend import AttentionBackend
 from arborlm.kernels.cpu_ops import LayerOps, RotaryStep, layer_ops
-from arborlm.runtime.batch import ForwardBatch, LogitsOutput
+from arborlm.runtime.forward_batch_info import ForwardBatch, LogitsOutput
+from arborlm.runtime.layers.attention_backend import AttentionBackend
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:

@@ -21,8 +21,8 @@ import torch
 
 from arborlm.kernels import reference, torch_native
 from arborlm.kernels.cpu_ops import NativeLayerOps
-from arborlm.runtime.batch import ForwardBatch
 from arborlm.runtime.config import ATTENTION_BACKENDS
+from arborlm.runtime.forward_batch_info import ForwardBatch
 
 
 class AttentionBackend(ABC):

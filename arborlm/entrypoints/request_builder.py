@@ -16,9 +16,9 @@ from typing import Any
 
 from arborlm.constrained.base import GrammarError
 from arborlm.errors import EngineDeadError, InvalidRequestError
-from arborlm.runtime.io_struct import TokenizedGenerateReqInput
-from arborlm.runtime.sampling import SamplingParams
-from arborlm.runtime.tokenizer_manager import GenerateReqInput, TokenizerManager
+from arborlm.runtime.io_struct import GenerateReqInput, TokenizedGenerateReqInput
+from arborlm.runtime.tokenizer_manager import TokenizerManager
+from arborlm.sampling_params import SamplingParams
 
 
 def expand_requests(

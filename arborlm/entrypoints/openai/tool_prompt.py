@@ -37,9 +37,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from arborlm.runtime.server.errors import bad_request
-from arborlm.runtime.server.protocol import ChatMessage
-from arborlm.runtime.server.tool_parser import CALL_END, CALL_SEPARATOR, call_begin
+from arborlm.entrypoints.http_errors import bad_request
+from arborlm.entrypoints.openai.protocol import ChatMessage
+from arborlm.entrypoints.openai.tool_parser import CALL_END, CALL_SEPARATOR, call_begin
 
 TOOLS_HEADER = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"

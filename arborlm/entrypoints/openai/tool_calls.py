@@ -33,10 +33,10 @@ from arborlm.constrained.json_schema import (
     prepare_json_schema,
     validate_json_output,
 )
-from arborlm.runtime.server.errors import bad_request
-from arborlm.runtime.server.openai_common import openai_error
-from arborlm.runtime.server.protocol import ChatCompletionRequest, ToolDefinition
-from arborlm.runtime.server.tool_parser import (
+from arborlm.entrypoints.http_errors import bad_request
+from arborlm.entrypoints.openai.common import openai_error
+from arborlm.entrypoints.openai.protocol import ChatCompletionRequest, ToolDefinition
+from arborlm.entrypoints.openai.tool_parser import (
     CALL_END,
     CALL_SEPARATOR,
     CALL_TRIGGER,

@@ -16,12 +16,12 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
+from arborlm.entrypoints.request_builder import expand_requests, generate_batch
 from arborlm.errors import EngineDeadError, InvalidRequestError
 from arborlm.runtime.config import ServerArgs
 from arborlm.runtime.launcher import close_front, launch_scheduler, load_tokenizer
-from arborlm.runtime.request_batch import expand_requests, generate_batch
-from arborlm.runtime.sampling import SamplingParams
 from arborlm.runtime.tokenizer_manager import TokenizerManager
+from arborlm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -17,15 +17,15 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from arborlm import __version__
+from arborlm.entrypoints import native_api
+from arborlm.entrypoints.body_limit import BodyLimitMiddleware
+from arborlm.entrypoints.http_errors import APIError, install_error_handlers
+from arborlm.entrypoints.openai.serving_chat import chat_completions
+from arborlm.entrypoints.openai.serving_completions import completions
+from arborlm.entrypoints.server_state import ServerState, get_state
 from arborlm.runtime.launcher import close_front
-from arborlm.runtime.server import native_api
-from arborlm.runtime.server.body_limit import BodyLimitMiddleware
-from arborlm.runtime.server.errors import APIError, install_error_handlers
-from arborlm.runtime.server.openai_chat import chat_completions
-from arborlm.runtime.server.openai_completions import completions
-from arborlm.runtime.server.state import ServerState, get_state
 from arborlm.runtime.tokenizer_manager import TokenizerManager
+from arborlm.version import __version__
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from arborlm.runtime.server.chat import render_chat
-from arborlm.runtime.server.openai_common import (
+from arborlm.entrypoints.openai.chat_render import render_chat
+from arborlm.entrypoints.openai.common import (
     TokenText,
     UsageCounter,
     abort_message,
@@ -42,16 +42,8 @@ from arborlm.runtime.server.openai_common import (
     seeded,
     stream_all,
 )
-from arborlm.runtime.server.protocol import ChatCompletionRequest
-from arborlm.runtime.server.state import get_state
-from arborlm.runtime.server.streaming import (
-    SSE_DONE,
-    cancel_on_disconnect,
-    primed,
-    sse,
-    sse_response,
-)
-from arborlm.runtime.server.tool_calls import (
+from arborlm.entrypoints.openai.protocol import ChatCompletionRequest
+from arborlm.entrypoints.openai.tool_calls import (
     ToolPlan,
     add_tool_grammar,
     checked_calls,
@@ -60,8 +52,16 @@ from arborlm.runtime.server.tool_calls import (
     tool_finish_reason,
     tool_message,
 )
-from arborlm.runtime.server.tool_parser import ToolCallParser
-from arborlm.runtime.tokenizer_manager import GenerateReqInput
+from arborlm.entrypoints.openai.tool_parser import ToolCallParser
+from arborlm.entrypoints.server_state import get_state
+from arborlm.entrypoints.streaming import (
+    SSE_DONE,
+    cancel_on_disconnect,
+    primed,
+    sse,
+    sse_response,
+)
+from arborlm.runtime.io_struct import GenerateReqInput
 
 
 @dataclass

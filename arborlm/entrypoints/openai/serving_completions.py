@@ -13,8 +13,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from arborlm.runtime.server.errors import bad_request
-from arborlm.runtime.server.openai_common import (
+from arborlm.entrypoints.http_errors import bad_request
+from arborlm.entrypoints.openai.common import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     TokenText,
     UsageCounter,
@@ -36,16 +36,16 @@ from arborlm.runtime.server.openai_common import (
     seeded,
     stream_all,
 )
-from arborlm.runtime.server.protocol import CompletionRequest
-from arborlm.runtime.server.state import ServerState, get_state
-from arborlm.runtime.server.streaming import (
+from arborlm.entrypoints.openai.protocol import CompletionRequest
+from arborlm.entrypoints.server_state import ServerState, get_state
+from arborlm.entrypoints.streaming import (
     SSE_DONE,
     cancel_on_disconnect,
     primed,
     sse,
     sse_response,
 )
-from arborlm.runtime.tokenizer_manager import GenerateReqInput
+from arborlm.runtime.io_struct import GenerateReqInput
 
 
 def check_unsupported(req: CompletionRequest) -> None:

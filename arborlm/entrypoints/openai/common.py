@@ -16,12 +16,12 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from arborlm.entrypoints.http_errors import APIError, bad_request, validation_error
+from arborlm.entrypoints.openai.protocol import ResponseFormat, SamplingRequest
+from arborlm.entrypoints.streaming import merge_streams
 from arborlm.errors import InvalidRequestError
-from arborlm.runtime.io_struct import TokenizedGenerateReqInput
-from arborlm.runtime.server.errors import APIError, bad_request, validation_error
-from arborlm.runtime.server.protocol import ResponseFormat, SamplingRequest
-from arborlm.runtime.server.streaming import merge_streams
-from arborlm.runtime.tokenizer_manager import GenerateReqInput, TokenizerManager
+from arborlm.runtime.io_struct import GenerateReqInput, TokenizedGenerateReqInput
+from arborlm.runtime.tokenizer_manager import TokenizerManager
 
 B = TypeVar("B", bound=BaseModel)
 

@@ -20,12 +20,12 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from arborlm.entrypoints.http_server import create_app
+from arborlm.entrypoints.metrics import ServerMetrics
+from arborlm.entrypoints.server_state import ServerState, served_model_name
 from arborlm.errors import EngineDeadError
 from arborlm.runtime.config import ServerArgs
 from arborlm.runtime.launcher import SchedulerProcess, launch_scheduler, load_tokenizer
-from arborlm.runtime.server.app import create_app
-from arborlm.runtime.server.metrics import ServerMetrics
-from arborlm.runtime.server.state import ServerState, served_model_name
 
 logger = logging.getLogger("arborlm.server")
 

@@ -18,19 +18,17 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from arborlm import __version__
-from arborlm.frontend_lang.chat_template import ChatTemplate
-from arborlm.runtime.io_struct import TokenizedGenerateReqInput
-from arborlm.runtime.request_batch import (
+from arborlm.chat_template import ChatTemplate
+from arborlm.entrypoints.http_errors import APIError, bad_request
+from arborlm.entrypoints.openai.common import TokenText, check_possible, parse_body
+from arborlm.entrypoints.openai.protocol import AbortRequest, GenerateRequest
+from arborlm.entrypoints.request_builder import (
     expand_requests,
     generate_batch,
     run_built_batch,
 )
-from arborlm.runtime.server.errors import APIError, bad_request
-from arborlm.runtime.server.openai_common import TokenText, check_possible, parse_body
-from arborlm.runtime.server.protocol import AbortRequest, GenerateRequest
-from arborlm.runtime.server.state import ServerState, get_state
-from arborlm.runtime.server.streaming import (
+from arborlm.entrypoints.server_state import ServerState, get_state
+from arborlm.entrypoints.streaming import (
     SSE_DONE,
     cancel_on_disconnect,
     merge_streams,
@@ -38,7 +36,8 @@ from arborlm.runtime.server.streaming import (
     sse,
     sse_response,
 )
-from arborlm.runtime.tokenizer_manager import GenerateReqInput
+from arborlm.runtime.io_struct import GenerateReqInput, TokenizedGenerateReqInput
+from arborlm.version import __version__
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 

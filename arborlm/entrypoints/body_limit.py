@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from arborlm.runtime.server.errors import APIError
+from arborlm.entrypoints.http_errors import APIError
 
 DRAIN_LIMIT_BYTES = 256 * 1024 * 1024
 

@@ -12,11 +12,11 @@ from typing import Any
 
 from fastapi import Request
 
+from arborlm.entrypoints.http_errors import APIError
+from arborlm.entrypoints.metrics import ServerMetrics
 from arborlm.runtime.config import ServerArgs
+from arborlm.runtime.io_struct import ModelInfo
 from arborlm.runtime.launcher import SchedulerProcess
-from arborlm.runtime.model_runner import ModelInfo
-from arborlm.runtime.server.errors import APIError
-from arborlm.runtime.server.metrics import ServerMetrics
 from arborlm.runtime.tokenizer_manager import TokenizerManager
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"

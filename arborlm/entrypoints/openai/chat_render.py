@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from arborlm.runtime.server.errors import bad_request
-from arborlm.runtime.server.protocol import ChatMessage
-from arborlm.runtime.server.tool_prompt import (
+from arborlm.entrypoints.http_errors import bad_request
+from arborlm.entrypoints.openai.protocol import ChatMessage
+from arborlm.entrypoints.openai.tool_prompt import (
     content_with_calls,
     history_tool_calls,
     renders_tools,

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from arborlm.runtime.server.errors import APIError, to_api_error
+from arborlm.entrypoints.http_errors import APIError, to_api_error
 
 T = TypeVar("T")
 SSE_DONE = "data: [DONE]\n\n"

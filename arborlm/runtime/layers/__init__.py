@@ -1,0 +1,1 @@
+"""Layers shared by the model families: attention backends over the paged KV pool."""
