@@ -17,6 +17,14 @@ from arborlm.errors import InvalidRequestError
 # Most samples one request may ask for (OpenAI's routes cap n at 128 too); more would flood the scheduler.
 MAX_N = 128
 
+# Temperatures below this sample greedily, as SGLang and vLLM do (`_SAMPLING_EPS`): dividing the
+# logits by a positive temperature that underflows float32 (1e-40) would give inf - inf = NaN.
+SAMPLING_EPS = 1e-5
+# The repetition penalty the sampler applies is clamped to this range: logits divided by a penalty
+# near 0 overflow to inf. Requests may ask for any positive value; the docs say it is clamped.
+MIN_REPETITION_PENALTY = 1e-2
+MAX_REPETITION_PENALTY = 1e2
+
 _INT_FIELDS = ("max_new_tokens", "top_k", "min_new_tokens", "n")
 _FLOAT_FIELDS = (
     "temperature",
@@ -113,8 +121,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """True when the request takes the argmax at each step (temperature 0 or top_k 1)."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when the request takes the argmax at each step (temperature below
+        `SAMPLING_EPS`, 0 included, or top_k 1)."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     def normalized(self) -> SamplingParams:
         """A copy with ``stop`` as a list (empty when None) and ``stop_token_ids`` as a list."""

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from arborlm.sampling_params import SamplingParams
+from arborlm.sampling_params import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SamplingParams
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -116,7 +116,7 @@ class SamplingBatchInfo:
             top_ps=floats("top_p"),
             top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
             min_ps=floats("min_p"),
-            repetition_penalties=floats("repetition_penalty"),
+            repetition_penalties=floats("repetition_penalty").clamp_(MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY),
             frequency_penalties=floats("frequency_penalty"),
             presence_penalties=floats("presence_penalty"),
             min_new_tokens=torch.tensor(
@@ -162,12 +162,16 @@ class SampleOutput(NamedTuple):
 
     ``next_token_ids`` (B,) int64; ``logprobs`` (B,) float32 of those tokens
     (see `Sampler` for which distribution); ``top_logprobs`` when
-    ``top_logprobs_num > 0`` was asked for, else None.
+    ``top_logprobs_num > 0`` was asked for, else None. ``invalid_rows``: the
+    rows whose logits or probabilities were not finite (NaN, +inf, or every
+    token masked); their token is meaningless and the caller aborts those
+    requests alone.
     """
 
     next_token_ids: torch.Tensor
     logprobs: torch.Tensor
     top_logprobs: TokenLogprobs | None
+    invalid_rows: tuple[int, ...] = ()
 
 
 def compute_logprobs(
@@ -301,6 +305,16 @@ def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(1, probs_idx, probs_sort)
 
 
+def invalid_logit_rows(logits: torch.Tensor) -> tuple[int, ...]:
+    """Rows of ``logits`` (B, V) float32 that cannot be sampled from: a NaN or +inf
+    anywhere, or no finite value at all (every token masked)."""
+    row_max = logits.max(dim=-1).values
+    bad = torch.isnan(row_max) | torch.isinf(row_max)  # max is NaN when any entry is NaN
+    if not bool(bad.any()):
+        return ()
+    return tuple(bad.nonzero().flatten().tolist())
+
+
 class Sampler:
     """Pick the next token of every request in a batch from its logits.
 
@@ -357,12 +371,19 @@ class Sampler:
         logits = self._process_logits(
             logits, info, output_ids_list, prompt_ids_list, eos_ids_list, num_generated
         )
-        next_token_ids = self._sample(logits, info)
+        invalid = invalid_logit_rows(logits)
+        if invalid:
+            # A poisoned row must not poison the batch: sample it from zeros (its token is
+            # discarded) so softmax and multinomial see only finite rows.
+            logits = logits.clone()
+            logits[list(invalid)] = 0.0
+        next_token_ids, unsampleable = self._sample(logits, info)
+        invalid = tuple(sorted(set(invalid) | set(unsampleable)))
         if not return_logprob and top_logprobs_num <= 0:
-            return SampleOutput(next_token_ids, logits.new_empty(0), None)
+            return SampleOutput(next_token_ids, logits.new_empty(0), None, invalid)
         out = compute_logprobs(logits, next_token_ids, top_logprobs_num)
         top = out if top_logprobs_num > 0 else None
-        return SampleOutput(next_token_ids, out.logprobs, top)
+        return SampleOutput(next_token_ids, out.logprobs, top, invalid)
 
     @staticmethod
     def _process_logits(
@@ -388,17 +409,21 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _sample(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        """(B,) int64: argmax on greedy rows, seeded multinomial on the others."""
+    def _sample(logits: torch.Tensor, info: SamplingBatchInfo) -> tuple[torch.Tensor, list[int]]:
+        """(B,) int64: argmax on greedy rows, seeded multinomial on the others; and the
+        sampled rows whose probabilities were not finite (left at their argmax)."""
         argmax = logits.max(dim=-1).indices  # the first maximum, as argmax; ~0.6x its time on the CPU
         if info.all_greedy:
-            return argmax
+            return argmax, []
         probs = torch.softmax(logits / info.temperatures, dim=-1)
         if info.need_top_k or info.need_top_p or info.need_min_p:
             probs = filter_probs(probs, info)
         next_token_ids = argmax.clone()
+        rows = info.sampled_rows
+        finite = (torch.isfinite(probs[rows]).all(dim=-1) & (probs[rows].sum(dim=-1) > 0)).tolist()
         # torch.multinomial takes one generator, so each sampled row draws alone: the
         # price of per-request seeds that do not depend on the batch's composition.
-        for i in info.sampled_rows:
-            next_token_ids[i] = torch.multinomial(probs[i], 1, generator=info.generators[i])[0]
-        return next_token_ids
+        for i, ok in zip(rows, finite):
+            if ok:
+                next_token_ids[i] = torch.multinomial(probs[i], 1, generator=info.generators[i])[0]
+        return next_token_ids, [i for i, ok in zip(rows, finite) if not ok]

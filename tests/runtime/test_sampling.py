@@ -415,3 +415,50 @@ def test_chosen_logprob_equals_its_top_logprobs_entry():
     assert torch.equal(out.logprobs, out.top_values[:, 0])
     alone = compute_logprobs(logits, chosen)
     torch.testing.assert_close(alone.logprobs, out.logprobs)
+
+
+# ---------------------------------------------------------------- one row must not poison the batch
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-6, 5e-324])
+def test_underflowing_temperature_is_greedy(temperature):
+    """A positive temperature that underflows float32 samples greedily (SGLang's and vLLM's eps)."""
+    params = SamplingParams(temperature=temperature)
+    params.verify(VOCAB)
+    assert params.is_greedy
+    logits = random_logits(3)
+    out = Sampler()(logits, make_info([params, SamplingParams(), params]))
+    assert out.invalid_rows == ()
+    assert out.next_token_ids[0] == logits[0].argmax() and out.next_token_ids[2] == logits[2].argmax()
+    assert torch.isfinite(out.logprobs).all()
+
+
+@pytest.mark.parametrize("penalty", [1e-30, 1e-9, 1e30])
+def test_extreme_repetition_penalty_is_clamped_and_finite(penalty):
+    params = SamplingParams(repetition_penalty=penalty, temperature=0.7, seed=1)
+    params.verify(VOCAB)
+    logits = random_logits(2) * 10
+    out = Sampler()(logits, make_info([params, SamplingParams()]), output_ids_list=[[0, 1, 2, 3], [4]])
+    assert out.invalid_rows == ()
+    assert torch.isfinite(out.logprobs).all()
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_a_non_finite_row_is_flagged_alone(poison):
+    """A row with NaN/inf logits is reported in `invalid_rows`; the other rows sample as without it."""
+    logits = random_logits(3)
+    params = [SamplingParams(temperature=0.8, seed=7), SamplingParams(temperature=0.8, seed=8), SamplingParams()]
+    clean = Sampler()(logits.clone(), make_info(params, seeds=[7, 8, 9]))
+    poisoned = logits.clone()
+    poisoned[1, 5] = poison
+    out = Sampler()(poisoned, make_info(params, seeds=[7, 8, 9]))
+    assert out.invalid_rows == (1,)
+    assert out.next_token_ids[0] == clean.next_token_ids[0] and out.next_token_ids[2] == clean.next_token_ids[2]
+
+
+def test_a_fully_masked_row_is_flagged_alone():
+    logits = random_logits(2)
+    logits[0] = float("-inf")
+    out = Sampler()(logits, make_info([SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=0)]))
+    assert out.invalid_rows == (0,)
+    assert out.next_token_ids[1] == logits[1].argmax()
