@@ -65,7 +65,11 @@ from arborlm.constrained.base import (
     GrammarKey,
     GrammarMatcher,
 )
-from arborlm.constrained.outlines_schema import SchemaChecker, check_schema, drop_partial_keywords
+from arborlm.constrained.json_schema.outlines import (
+    SchemaChecker,
+    check_schema,
+    drop_partial_keywords,
+)
 
 # What JSON may put between its tokens (outlines-core's ``whitespace_pattern``).
 JSON_WHITESPACE = r"[ ]?"

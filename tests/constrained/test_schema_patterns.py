@@ -9,7 +9,7 @@ import re
 import pytest
 
 from arborlm.constrained.json_schema import prepare_json_schema
-from arborlm.constrained.schema_patterns import separator_first_repeat
+from arborlm.constrained.json_schema.patterns import separator_first_repeat
 
 WORDS = r"^(?:\S+\s+){0,199}\S+$"
 

@@ -175,8 +175,8 @@ from jsonschema import exceptions as js_exceptions
 from jsonschema import validators as js_validators
 
 from arborlm.constrained.base import GrammarError
-from arborlm.constrained.schema_nodes import DRAFT_YEAR, PARAM
-from arborlm.constrained.schema_normaliser import Normaliser
+from arborlm.constrained.json_schema.nodes import DRAFT_YEAR, PARAM
+from arborlm.constrained.json_schema.normalise import Normaliser
 
 # Most refused keywords named in one error message.
 MAX_NAMED_PROBLEMS = 8

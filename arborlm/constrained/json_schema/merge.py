@@ -8,8 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from arborlm.constrained.json_values import json_intersection
-from arborlm.constrained.schema_nodes import (
+from arborlm.constrained.json_schema.nodes import (
     MAX_BRANCHES,
     Schema,
     canon,
@@ -20,7 +19,8 @@ from arborlm.constrained.schema_nodes import (
     tighter,
     upper_bound,
 )
-from arborlm.constrained.schema_patterns import pattern_search
+from arborlm.constrained.json_schema.patterns import pattern_search
+from arborlm.constrained.json_schema.values import json_intersection
 
 
 class SchemaMerge:

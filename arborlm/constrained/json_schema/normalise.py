@@ -14,10 +14,9 @@ from referencing import Registry
 from referencing.exceptions import Unresolvable
 
 from arborlm.constrained.base import GrammarError
-from arborlm.constrained.json_values import json_intersection, unique
-from arborlm.constrained.schema_lowering import SchemaLowering
-from arborlm.constrained.schema_merge import SchemaMerge
-from arborlm.constrained.schema_nodes import (
+from arborlm.constrained.json_schema.lower import SchemaLowering
+from arborlm.constrained.json_schema.merge import SchemaMerge
+from arborlm.constrained.json_schema.nodes import (
     DEFS_PREFIX,
     DRAFT_YEAR,
     PARAM,
@@ -30,6 +29,7 @@ from arborlm.constrained.schema_nodes import (
     type_set,
     upper_bound,
 )
+from arborlm.constrained.json_schema.values import json_intersection, unique
 
 # Most conjunctions of recursive references one schema may defer into new $defs entries.
 MAX_DEFERRED = 256

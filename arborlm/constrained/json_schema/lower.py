@@ -9,9 +9,8 @@ import math
 import re
 from typing import Any
 
-from arborlm.constrained.json_values import mutually_exclusive
-from arborlm.constrained.schema_merge import SchemaMerge
-from arborlm.constrained.schema_nodes import (
+from arborlm.constrained.json_schema.merge import SchemaMerge
+from arborlm.constrained.json_schema.nodes import (
     DEFS_PREFIX,
     FAMILY_KEYWORDS,
     INT64_MAX,
@@ -25,7 +24,7 @@ from arborlm.constrained.schema_nodes import (
     type_set,
     upper_bound,
 )
-from arborlm.constrained.schema_patterns import (
+from arborlm.constrained.json_schema.patterns import (
     exclude_words,
     full_match_pattern,
     has_lookaround,
@@ -36,6 +35,7 @@ from arborlm.constrained.schema_patterns import (
     strip_lookarounds,
     xgrammar_regex_error,
 )
+from arborlm.constrained.json_schema.values import mutually_exclusive
 
 
 class SchemaLowering:
