@@ -2,7 +2,14 @@
 
 Every `ServerArgs` field is an option, generated from the dataclass fields and
 their `help` metadata (`max_total_tokens` → `--max-total-tokens`; booleans get
-`--x` / `--no-x`); options not given keep the dataclass defaults.
+`--x` / `--no-x`; tuples take one or more values); options not given keep the
+dataclass defaults.
+
+The API keys also come from a file (`--api-key-file`, `--admin-api-key-file`)
+or the environment (`ARBORLM_API_KEY`, `ARBORLM_ADMIN_API_KEY`, see `envs`),
+because a key on the command line is visible to every user through `ps`. The
+option wins over the file, which wins over the variable; the option and the
+file together are an error.
 """
 
 from __future__ import annotations
@@ -13,11 +20,15 @@ import typing
 from dataclasses import MISSING, Field, fields
 from typing import Any
 
+from arborlm.envs import ENVS, Envs
 from arborlm.errors import ArborError
 from arborlm.runtime.config import ServerArgs
 
 # Extra spellings: SGLang's `--model-path` is also `--model`.
 ALIASES = {"model_path": ["--model"]}
+# Secret fields → their environment fallback (an `Envs` attribute of the same name); each
+# also gets a `--<field>-file` option.
+SECRET_FIELDS = ("api_key", "admin_api_key")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +51,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         hints = typing.get_type_hints(concern)
         for f in fields(concern):
             _add_field(group, f, hints[f.name])
+            if f.name in SECRET_FIELDS:
+                _add_secret_file(group, f.name)
+
+
+def _add_secret_file(group: argparse._ArgumentGroup, name: str) -> None:
+    option = name.replace("_", "-")
+    group.add_argument(f"--{option}-file", dest=f"{name}_file", default=None, metavar="PATH",
+                       help=f"read --{option} from this file, a trailing newline dropped (ps shows the path, "
+                            f"not the key); without either option, ARBORLM_{name.upper()} is read")
 
 
 def _add_field(group: argparse._ArgumentGroup, f: Field, hint: Any) -> None:
@@ -52,19 +72,54 @@ def _add_field(group: argparse._ArgumentGroup, f: Field, hint: Any) -> None:
         group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
                            help=help_text)
         return
+    if typing.get_origin(types[0]) is tuple:
+        group.add_argument(*names, dest=f.name, nargs="+", type=typing.get_args(types[0])[0], default=None,
+                           help=help_text)
+        return
     group.add_argument(*names, dest=f.name, type=types[0], default=None, help=help_text)
 
 
-def server_args_from(namespace: argparse.Namespace) -> ServerArgs:
-    """The `ServerArgs` of the parsed options (defaults for those not given).
+def server_args_from(namespace: argparse.Namespace, envs: Envs = ENVS) -> ServerArgs:
+    """The `ServerArgs` of the parsed options (defaults for those not given); each API
+    key from its option, else its file, else its variable in `envs`.
 
     Raises
     ------
-    ValueError, TypeError: a value out of range (from the concern's `__post_init__`).
+    ValueError, TypeError: a value out of range (from the concern's `__post_init__`),
+        a key given both as an option and as a file, or a key file that cannot be read.
     """
     given = {name: getattr(namespace, name) for name in ServerArgs.field_names()
              if getattr(namespace, name, None) is not None}
+    if isinstance(given.get("allowed_hosts"), list):
+        given["allowed_hosts"] = tuple(given["allowed_hosts"])
+    for name in SECRET_FIELDS:
+        key = _secret(name, given.get(name), getattr(namespace, f"{name}_file", None), getattr(envs, name))
+        if key is not None:
+            given[name] = key
     return ServerArgs.from_kwargs(**given)
+
+
+def _secret(name: str, option: str | None, path: str | None, env_value: str | None) -> str | None:
+    """The key of the `--<name>` option, else of its file, else of the environment.
+
+    Raises
+    ------
+    ValueError: both the option and the file given; the file cannot be read.
+    """
+    flag = "--" + name.replace("_", "-")
+    if option is not None and path is not None:
+        raise ValueError(f"give {flag} or {flag}-file, not both")
+    if option is not None:
+        return option
+    if path is None:
+        return env_value
+    try:
+        with open(path, encoding="utf-8") as f:
+            content = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{name}_file={path!r} is invalid: cannot read it ({e})") from None
+    # Only the line end goes: other surrounding spaces are refused by the config, not silently dropped.
+    return content.removesuffix("\n").removesuffix("\r")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,13 +1,15 @@
 """Environment variables, read once at import: every one has the `ARBORLM_` prefix.
 
 Code reads `envs.ENVS.<name>` instead of `os.environ`, so the set of knobs that
-live outside `ServerArgs` is listed in one place.
+live outside `ServerArgs` is listed in one place. The API keys are the exception:
+they are `ServerArgs` fields, and the variables are how `arborlm serve` takes
+them without putting them on its command line (which `ps` shows to every user).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -17,14 +19,23 @@ class Envs:
 
     cache_dir: `ARBORLM_CACHE`, where converted checkpoints live
         (default `~/.cache/arborlm`).
+    api_key: `ARBORLM_API_KEY`, the server's `--api-key` when that option
+        (and `--api-key-file`) is not given: unlike an option, it does not
+        show in `ps`. Empty counts as unset.
+    admin_api_key: `ARBORLM_ADMIN_API_KEY`, likewise for `--admin-api-key`.
     """
 
     cache_dir: Path
+    # repr=False: printing the settings must not print the keys.
+    api_key: str | None = field(default=None, repr=False)
+    admin_api_key: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_environ(cls, environ: os._Environ[str] | dict[str, str] = os.environ) -> Envs:
+        """The settings of `environ` (the process environment by default)."""
         cache = environ.get("ARBORLM_CACHE") or os.path.join("~", ".cache", "arborlm")
-        return cls(cache_dir=Path(cache).expanduser())
+        return cls(cache_dir=Path(cache).expanduser(), api_key=environ.get("ARBORLM_API_KEY") or None,
+                   admin_api_key=environ.get("ARBORLM_ADMIN_API_KEY") or None)
 
 
 ENVS = Envs.from_environ()

@@ -7,16 +7,21 @@ raises `ValueError` naming the field and the bad value.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import ipaddress
 import os
+import re
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from arborlm.runtime.layers.attention.names import ATTENTION_BACKEND_NAMES
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-ATTENTION_BACKENDS = ("auto", "triton", "torch", "reference")  # kernels.backend.create_attention_backend
+ATTENTION_BACKENDS = ATTENTION_BACKEND_NAMES  # one list, torch-free: runtime/layers/attention/names.py
 
 
 def _check(cond: bool, name: str, value: Any, expected: str) -> None:
@@ -25,7 +30,8 @@ def _check(cond: bool, name: str, value: Any, expected: str) -> None:
 
 
 def _check_types(config: Any) -> None:
-    """Raise TypeError for a field whose value does not match its annotation (int, float, str, bool, or None)."""
+    """Raise TypeError for a field whose value does not match its annotation
+    (int, float, str, bool, a tuple of str, or None)."""
     hints = typing.get_type_hints(type(config))
     for f in fields(config):
         value = getattr(config, f.name)
@@ -36,10 +42,12 @@ def _check_types(config: Any) -> None:
             (t is float and isinstance(value, (int, float)) and not isinstance(value, bool))
             or (t is int and isinstance(value, int) and not isinstance(value, bool))
             or (t in (str, bool) and isinstance(value, t))
+            or (typing.get_origin(t) is tuple and isinstance(value, tuple) and all(isinstance(v, str) for v in value))
             for t in allowed
         )
         if not ok:
-            names = " or ".join("None" if t is type(None) else t.__name__ for t in allowed)
+            names = " or ".join("None" if t is type(None) else str(t) if typing.get_origin(t) else t.__name__
+                                for t in allowed)
             raise TypeError(f"{f.name}={value!r} has the wrong type: expected {names}")
 
 
@@ -189,13 +197,65 @@ class GrammarConfig:
         _check(self.grammar_compile_timeout > 0, "grammar_compile_timeout", self.grammar_compile_timeout, "> 0")
 
 
+# A Host pattern: "*", a name or IPv4 address, "*.suffix", or a bracketed IPv6 address.
+_HOST_PATTERN = re.compile(r"\*|(\*\.)?[a-z0-9_-]+(\.[a-z0-9_-]+)*|\[[0-9a-f:.]+\]")
+
+
+def _check_key(name: str, key: str | None) -> None:
+    """A bearer key must survive an HTTP header: printable ASCII, no surrounding spaces (which
+    the header parser strips, so such a key could never match)."""
+    if key is None:
+        return
+    ok = key != "" and key.isascii() and key.isprintable() and key == key.strip()
+    # The value itself stays out of the message: it is a secret.
+    _check(ok, name, "<redacted>", "a non-empty key of printable ASCII characters without surrounding spaces "
+                                   "(HTTP headers carry ASCII)")
+
+
+def _host_pattern(host: str) -> str:
+    """`host` lower-cased, a bare IPv6 address bracketed as the Host header writes it.
+
+    Raises
+    ------
+    ValueError: not a name, address, "*" or "*.suffix" (a port is not part of it).
+    """
+    pattern = host.strip().lower()
+    with contextlib.suppress(ValueError):
+        pattern = f"[{ipaddress.IPv6Address(pattern)}]"
+    _check(_HOST_PATTERN.fullmatch(pattern) is not None, "allowed_hosts", host,
+           "host names without a port: 'box.lan', '10.0.0.5', '[fd00::1]', '*.example.com' or '*'")
+    return pattern
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The HTTP front (used by `arborlm serve`)."""
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to bind"})
     port: int = field(default=30000, metadata={"help": "port to bind"})
-    api_key: str | None = field(default=None, metadata={"help": "require this bearer token"})
+    # repr=False: a logged or printed ServerArgs must not show the keys.
+    api_key: str | None = field(
+        default=None, repr=False,
+        metadata={"help": "require 'Authorization: Bearer <key>' on every route but /health and /metrics; "
+                          "--api-key-file or ARBORLM_API_KEY keep it out of `ps`", "secret": True},
+    )
+    admin_api_key: str | None = field(
+        default=None, repr=False,
+        metadata={"help": "bearer token for the admin routes (flush_cache, abort_all): when set, only it opens "
+                          "them; unset, api_key holders may use them (as in SGLang); --admin-api-key-file or "
+                          "ARBORLM_ADMIN_API_KEY keep it out of `ps`", "secret": True},
+    )
+    allowed_hosts: tuple[str, ...] | None = field(
+        default=None,
+        metadata={"help": "Host header names accepted besides localhost, 127.0.0.1 and [::1] (any port), "
+                          "e.g. 'box.lan *.example.com'; '*' accepts any; other names get 400. "
+                          "Default: loopback names only when host is a loopback address, any name otherwise"},
+    )
+    enable_cache_report: bool = field(
+        default=False,
+        metadata={"help": "report each request's cached prompt tokens (usage.prompt_tokens_details, "
+                          "meta_info.cached_tokens); they tell one client which prompts others sent"},
+    )
     log_level: str = field(default="info", metadata={"help": "debug | info | warning | error"})
     served_model_name: str | None = field(
         default=None,
@@ -209,12 +269,31 @@ class ServerConfig:
     )
 
     def __post_init__(self):
+        if isinstance(self.allowed_hosts, (list, str)):  # Engine(allowed_hosts=[...]) or one name
+            hosts = [self.allowed_hosts] if isinstance(self.allowed_hosts, str) else self.allowed_hosts
+            object.__setattr__(self, "allowed_hosts", tuple(hosts))
         _check_types(self)
+        _check_key("api_key", self.api_key)
+        _check_key("admin_api_key", self.admin_api_key)
+        _check(self.admin_api_key is None or self.admin_api_key != self.api_key, "admin_api_key", "<redacted>",
+               "a key other than api_key (the same key would make every api_key holder an admin)")
+        if self.allowed_hosts is not None:
+            object.__setattr__(self, "allowed_hosts", tuple(_host_pattern(h) for h in self.allowed_hosts))
         _check(0 <= self.port < 65536, "port", self.port, "0..65535")
         _check(self.max_request_bytes >= 1, "max_request_bytes", self.max_request_bytes, ">= 1")
         _check(
             self.log_level in LOG_LEVELS, "log_level", self.log_level, f"one of {LOG_LEVELS}",
         )
+
+    @property
+    def binds_loopback(self) -> bool:
+        """True when `host` is localhost or a loopback address (only this machine can connect)."""
+        if self.host.lower() == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
 
 
 @dataclass(frozen=True)
@@ -267,5 +346,11 @@ class ServerArgs:
         return ServerArgs.from_kwargs(**flat)
 
     def to_dict(self) -> dict[str, Any]:
-        """Flat dict of every field (for /get_server_info and logs)."""
+        """Flat dict of every field, secrets included (see `public_dict`)."""
         return {k: v for m in fields(self) for k, v in dataclasses.asdict(getattr(self, m.name)).items()}
+
+    def public_dict(self) -> dict[str, Any]:
+        """`to_dict` with every secret that is set (the API keys) shown as "<redacted>"
+        (for /get_server_info and logs)."""
+        secret = {f.name for m in fields(self) for f in fields(m.default_factory) if f.metadata.get("secret")}
+        return {k: "<redacted>" if k in secret and v is not None else v for k, v in self.to_dict().items()}
