@@ -16,9 +16,15 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from arborlm.entrypoints.request_builder import expand_requests, generate_batch
+from arborlm.entrypoints.request_builder import (
+    ENGINE_RULES,
+    build_batch,
+    expand_requests,
+    generate_batch,
+)
 from arborlm.errors import EngineDeadError, InvalidRequestError
 from arborlm.runtime.config import ServerArgs
+from arborlm.runtime.io_struct import GenerateReqInput
 from arborlm.runtime.launcher import close_front, launch_scheduler, load_tokenizer
 from arborlm.runtime.tokenizer_manager import TokenizerManager
 from arborlm.sampling_params import SamplingParams
@@ -148,6 +154,12 @@ class Engine:
             return await coro
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
 
+    async def _generate_one(self, req: GenerateReqInput) -> AsyncIterator[dict[str, Any]]:
+        """One streamed request, built as every batch is (`build_batch`); runs on the engine's loop."""
+        built = await build_batch(self.tokenizer_manager, [req], ENGINE_RULES)
+        async for chunk in self.tokenizer_manager.generate(built[0]):
+            yield chunk
+
     def _stream_sync(self, prompt, input_ids, sampling_params, kwargs) -> Iterator[dict[str, Any]]:
         reqs, is_batch = expand_requests(prompt, input_ids, sampling_params, stream=True, **kwargs)
         if is_batch:
@@ -156,7 +168,7 @@ class Engine:
 
         async def pump():
             try:
-                async for chunk in self.tokenizer_manager.generate(reqs[0]):
+                async for chunk in self._generate_one(reqs[0]):
                     chunks.put(chunk)
             except BaseException as e:  # noqa: BLE001 - handed to the consuming thread
                 chunks.put(e)
@@ -177,7 +189,7 @@ class Engine:
         if is_batch:
             raise InvalidRequestError("stream=True takes one prompt with n=1", param="stream")
         if asyncio.get_running_loop() is self._loop:
-            async for chunk in self.tokenizer_manager.generate(reqs[0]):
+            async for chunk in self._generate_one(reqs[0]):
                 yield chunk
             return
         chunks: asyncio.Queue = asyncio.Queue()
@@ -185,7 +197,7 @@ class Engine:
 
         async def pump():
             try:
-                async for chunk in self.tokenizer_manager.generate(reqs[0]):
+                async for chunk in self._generate_one(reqs[0]):
                     caller_loop.call_soon_threadsafe(chunks.put_nowait, chunk)
             except BaseException as e:  # noqa: BLE001 - handed to the consuming loop
                 caller_loop.call_soon_threadsafe(chunks.put_nowait, e)

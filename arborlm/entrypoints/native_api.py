@@ -20,9 +20,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from arborlm.chat_template import ChatTemplate
 from arborlm.entrypoints.http_errors import APIError, bad_request
-from arborlm.entrypoints.openai.common import TokenText, check_possible, parse_body
+from arborlm.entrypoints.openai.common import TokenText, parse_body
 from arborlm.entrypoints.openai.protocol import AbortRequest, GenerateRequest
 from arborlm.entrypoints.request_builder import (
+    BatchItem,
+    BatchRules,
+    ContextLengthError,
+    build_batch,
     expand_requests,
     generate_batch,
     run_built_batch,
@@ -36,7 +40,8 @@ from arborlm.entrypoints.streaming import (
     sse,
     sse_response,
 )
-from arborlm.runtime.io_struct import GenerateReqInput, TokenizedGenerateReqInput
+from arborlm.runtime.io_struct import GenerateReqInput
+from arborlm.runtime.tokenizer_manager import TokenizerManager
 from arborlm.version import __version__
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
@@ -60,8 +65,8 @@ async def generate(request: Request) -> Response:
     )
     _assign_rids(reqs, body.rid)
     prompt_param = "text" if body.text is not None else "input_ids"
-    check_possible(manager, len(reqs), prompt_param if _num_prompts(body) > 1 else "n")
-    built = await _build(manager, reqs, state.model_info.context_length)
+    rules = BatchRules(check_context=True, never_fits_param=prompt_param if _num_prompts(body) > 1 else "n")
+    built = await _build(manager, reqs, rules)
     token_text = TokenText(state.tokenizer) if body.return_text_in_logprobs else None
     if body.stream:
         merged = merge_streams([manager.generate(b) for b in built])
@@ -80,48 +85,28 @@ def _num_prompts(body: GenerateRequest) -> int:
     return 1
 
 
-async def _build(manager, reqs: list[GenerateReqInput], context_len: int) -> list[TokenizedGenerateReqInput]:
-    """Validate and tokenize every request in a worker thread (a large JSON schema takes a while
-    to prepare; the loop keeps answering meanwhile), then check they fit the context and the queue.
+async def _build(manager: TokenizerManager, reqs: list[GenerateReqInput], rules: BatchRules) -> list[BatchItem]:
+    """`build_batch`, with prompt + an explicit `max_new_tokens` over the context answered as
+    OpenAI's 400 `context_length_exceeded` (the other errors map to their status as they are).
 
     Raises
     ------
-    InvalidRequestError: a bad field (400).
-    APIError: 400 when prompt + an explicit `max_new_tokens` exceed the context.
-    ServerOverloadedError: no room in the queue now (503).
+    APIError: 400 `context_length_exceeded`.
+    InvalidRequestError, ServerOverloadedError: as `build_batch` raises them.
     """
-    built = await asyncio.to_thread(lambda: [manager.build_request(r) for r in reqs])
-    for req, one in zip(reqs, built):
-        if "max_new_tokens" in (req.sampling_params or {}):
-            _check_context(len(one.input_ids), one.sampling_params.max_new_tokens, context_len)
-    if len({b.rid for b in built}) < len(built):
-        raise bad_request("the request ids of a batch must be distinct", param="rid")
-    manager.check_capacity(len(built))
-    return built
-
-
-def _check_context(prompt_len: int, max_new_tokens: int, context_len: int) -> None:
-    """400 `context_length_exceeded` when the prompt and `max_new_tokens` do not fit the context
-    (without an explicit `max_new_tokens`, generation just stops at the context's end)."""
-    if prompt_len + max_new_tokens > context_len:
-        raise bad_request(
-            f"this model's context is {context_len} tokens, but {prompt_len + max_new_tokens} were requested "
-            f"({prompt_len} in the prompt, {max_new_tokens} in max_new_tokens); reduce the prompt or max_new_tokens",
-            param="max_new_tokens", code="context_length_exceeded",
-        )
-
-
+    try:
+        return await build_batch(manager, reqs, rules)
+    except ContextLengthError as e:
+        raise bad_request(e.message, param=e.param, code=e.code) from None
 
 
 def _assign_rids(reqs: list[GenerateReqInput], rid: str | list[str] | None) -> None:
-    """One rid for a single request, or one per request of a batch."""
+    """One rid for a single request, or one per request of a batch (`build_batch` checks they differ)."""
     if rid is None:
         return
     rids = [rid] if isinstance(rid, str) else rid
     if len(rids) != len(reqs):
         raise bad_request(f"rid gives {len(rids)} id(s) for {len(reqs)} request(s) (prompts x n)", param="rid")
-    if len(set(rids)) < len(rids):
-        raise bad_request("the request ids of a batch must be distinct", param="rid")
     for req, one in zip(reqs, rids):
         req.rid = one
 

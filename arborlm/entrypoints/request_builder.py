@@ -1,17 +1,25 @@
-"""One call's prompts as single requests, and a validated batch run to completion.
+"""One call's prompts as single requests, built and checked together before any runs.
 
 The `Engine` and the native HTTP `/generate` both accept one prompt or a batch
 (a list of texts or of token-id lists), one `sampling_params` dict or one per
 prompt, and `n` samples per prompt. `expand_requests` turns that into a flat
-list of `GenerateReqInput`; `generate_batch` validates every item before any
-runs, then runs them together on the `TokenizerManager`'s loop; an item whose
-grammar is refused reports it alone.
+list of `GenerateReqInput`.
+
+`build_batch` is the one path by which the Engine, the native routes and the
+OpenAI routes turn those into `TokenizedGenerateReqInput`s: distinct request
+ids, a call the server can ever hold, every item validated and tokenized in a
+worker thread, the context (where the entry point asks for it), room in the
+queue now. What differs between entry points is a `BatchRules`; the errors are
+typed (`InvalidRequestError` subclasses here), and each entry point gives them
+its own shape (an OpenAI-style 400, a native 400, an exception).
+`generate_batch` builds and runs a batch to completion, as the Engine does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from arborlm.constrained.base import GrammarError
@@ -92,8 +100,161 @@ def _params_per_item(sampling_params: Any, num_items: int) -> list[dict[str, Any
     return dicts
 
 
+# A built item: a request to run, or (an Engine batch item whose grammar was refused
+# before queueing) its final result already.
+BatchItem = TokenizedGenerateReqInput | dict[str, Any]
+
+
+class DuplicateRequestIdError(InvalidRequestError):
+    """Two requests of one call have the same id (`param` is ``rid``)."""
+
+
+class CallTooLargeError(InvalidRequestError):
+    """A call makes more requests than the server ever holds at once (not "busy": it never fits)."""
+
+
+class ContextLengthError(InvalidRequestError):
+    """Prompt + an explicit `max_new_tokens` exceed the model's context.
+
+    `code` is OpenAI's error code for it, which HTTP answers carry.
+    """
+
+    code = "context_length_exceeded"
+
+
+@dataclass(frozen=True)
+class BatchRules:
+    """What one entry point checks of a call's requests, beyond every item's own fields.
+
+    Parameters
+    ----------
+    grammar_fails_alone: a grammar refused before queueing fails only its item
+        (its result says why) in a batch of more than one; False: it rejects the call.
+    check_context: prompt + an explicit `max_new_tokens` must fit the context;
+        without an explicit one generation just stops at the context's end.
+    never_fits_param: when set, a call of more requests than the server ever
+        holds at once is refused naming this field, instead of reported busy.
+    """
+
+    grammar_fails_alone: bool = False
+    check_context: bool = False
+    never_fits_param: str | None = None
+
+
+# The in-process Engine (and /health_generate, which runs as it does).
+ENGINE_RULES = BatchRules(grammar_fails_alone=True)
+
+
+async def build_batch(manager: TokenizerManager, reqs: list[GenerateReqInput], rules: BatchRules) -> list[BatchItem]:
+    """Validate and tokenize every request of one call before any runs.
+
+    Building runs in a worker thread: preparing a large JSON schema or
+    tokenizing a long prompt takes a while, and the event loop keeps answering
+    other requests meanwhile.
+
+    Parameters
+    ----------
+    manager: the front whose queue the requests go to.
+    reqs: the call's requests, in order.
+    rules: the entry point's checks (`BatchRules`).
+
+    Returns
+    -------
+    One item per request, in order: a `TokenizedGenerateReqInput`, or with
+    `rules.grammar_fails_alone` the final result dict of an item whose grammar
+    was refused (no output, the reason in ``finish_reason``).
+
+    Raises
+    ------
+    DuplicateRequestIdError: two requests share an id.
+    CallTooLargeError: with `rules.never_fits_param`, the call can never fit.
+    InvalidRequestError: a malformed item (a `GrammarError` too, unless it fails alone).
+    ContextLengthError: with `rules.check_context`, an item does not fit the context.
+    ServerOverloadedError: no room in the queue for the call now.
+    """
+    check_distinct_rids(reqs)
+    if rules.never_fits_param is not None:
+        check_possible(manager, len(reqs), rules.never_fits_param)
+    grammar_alone = rules.grammar_fails_alone and len(reqs) > 1
+    built = await asyncio.to_thread(lambda: [_build_one(manager, r, grammar_alone) for r in reqs])
+    if rules.check_context:
+        for req, item in zip(reqs, built):
+            if not is_refused(item) and _explicit_max_new_tokens(req):
+                check_context(len(item.input_ids), item.sampling_params.max_new_tokens,
+                              manager.model_info.context_length)
+    manager.check_capacity(sum(not is_refused(item) for item in built))
+    return built
+
+
+def check_distinct_rids(reqs: list[GenerateReqInput]) -> None:
+    """Refuse a call in which two requests give the same id (ids the front assigns are unique).
+
+    Raises
+    ------
+    DuplicateRequestIdError
+    """
+    given = [r.rid for r in reqs if isinstance(r.rid, str)]  # a rid of another type fails its own item
+    if len(set(given)) < len(given):
+        raise DuplicateRequestIdError("the request ids of one call must be distinct", param="rid")
+
+
+def check_possible(manager: TokenizerManager, num_reqs: int, param: str) -> None:
+    """Refuse `num_reqs` requests of one call that can never be in flight together (busy is a
+    `ServerOverloadedError` instead, which a client may retry).
+
+    Raises
+    ------
+    CallTooLargeError: naming `param`.
+    """
+    limit = manager.max_in_flight
+    if limit is not None and num_reqs > limit:
+        raise CallTooLargeError(
+            f"this call makes {num_reqs} requests (prompts x n), more than this server ever holds at once: "
+            f"{limit} (max_running_requests={manager.model_info.max_running_requests} + "
+            f"max_queued_requests={manager.server_args.scheduler.max_queued_requests}); send fewer per call",
+            param=param,
+        )
+
+
+def check_context(prompt_len: int, max_new_tokens: int, context_len: int) -> None:
+    """Refuse a prompt and `max_new_tokens` that together exceed the context.
+
+    Raises
+    ------
+    ContextLengthError: naming ``max_new_tokens``.
+    """
+    if prompt_len + max_new_tokens > context_len:
+        raise ContextLengthError(
+            f"this model's context is {context_len} tokens, but {prompt_len + max_new_tokens} were requested "
+            f"({prompt_len} in the prompt, {max_new_tokens} in max_new_tokens); reduce the prompt or max_new_tokens",
+            param="max_new_tokens",
+        )
+
+
+def is_refused(item: BatchItem) -> bool:
+    """True for a batch item that is already its (refused) result, not a request to run."""
+    return isinstance(item, dict)
+
+
+def _build_one(manager: TokenizerManager, req: GenerateReqInput, grammar_alone: bool) -> BatchItem:
+    """One request built; with `grammar_alone`, a refused grammar becomes that item's result."""
+    try:
+        return manager.build_request(req)
+    except GrammarError as e:
+        if not grammar_alone:
+            raise
+        # build_request checks the grammar last, so the prompt is known to be fine.
+        return refused_result(req.rid or uuid.uuid4().hex, len(manager.prompt_ids(req)), e)
+
+
+def _explicit_max_new_tokens(req: GenerateReqInput) -> bool:
+    """Whether the caller set `max_new_tokens` (a sampling dict with the key; an object always has one)."""
+    params = req.sampling_params
+    return "max_new_tokens" in params if isinstance(params, dict) else params is not None
+
+
 async def generate_batch(manager: TokenizerManager, reqs: list[GenerateReqInput]) -> list[dict[str, Any]]:
-    """Run non-streaming requests together; one final result dict each, in order.
+    """Build (`ENGINE_RULES`) and run non-streaming requests together; one final result dict each, in order.
 
     Every item is validated and tokenized first, so a malformed one (bad
     prompt, bad sampling field) rejects the batch before anything runs.
@@ -111,21 +272,7 @@ async def generate_batch(manager: TokenizerManager, reqs: list[GenerateReqInput]
     ServerOverloadedError: the batch does not fit under `max_queued_requests`.
     EngineDeadError: the scheduler process is gone.
     """
-    built: list[TokenizedGenerateReqInput | dict[str, Any]] = []
-    for req in reqs:
-        try:
-            built.append(manager.build_request(req))
-        except GrammarError as e:
-            if len(reqs) == 1:
-                raise
-            rid = req.rid or uuid.uuid4().hex
-            built.append(refused_result(rid, len(manager.prompt_ids(req)), e))
-    rids = [r.rid if isinstance(r, TokenizedGenerateReqInput) else r["meta_info"]["id"] for r in built]
-    if len(set(rids)) < len(rids):
-        raise InvalidRequestError("request ids in one batch must be distinct", param="rid")
-    manager.check_capacity(sum(isinstance(r, TokenizedGenerateReqInput) for r in built))
-
-    return await run_built_batch(manager, built)
+    return await run_built_batch(manager, await build_batch(manager, reqs, ENGINE_RULES))
 
 
 def rejected_result(req: TokenizedGenerateReqInput, error: InvalidRequestError) -> dict[str, Any]:
@@ -141,9 +288,7 @@ def refused_result(rid: str, prompt_tokens: int, error: InvalidRequestError) -> 
     return {"text": "", "output_ids": [], "meta_info": meta}
 
 
-async def run_built_batch(
-    manager: TokenizerManager, built: list[TokenizedGenerateReqInput | dict[str, Any]]
-) -> list[dict[str, Any]]:
+async def run_built_batch(manager: TokenizerManager, built: list[BatchItem]) -> list[dict[str, Any]]:
     """Run already-built requests together; one final result dict each, in order.
 
     An item that is already a result dict (refused before queueing) is returned as is.
@@ -156,9 +301,9 @@ async def run_built_batch(
     EngineDeadError: the scheduler process is gone.
     """
 
-    async def one(req: TokenizedGenerateReqInput | dict[str, Any]) -> dict[str, Any]:
-        if not isinstance(req, TokenizedGenerateReqInput):
-            return req  # refused before queueing
+    async def one(req: BatchItem) -> dict[str, Any]:
+        if is_refused(req):
+            return req
         try:
             async for result in manager.generate(req):
                 return result

@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-import threading
-import time
-from types import SimpleNamespace
-
 import pytest
 
 from arborlm.constrained.base import GrammarError
 from arborlm.constrained.json_schema import prepare_json_schema
-from arborlm.entrypoints import native_api
 from arborlm.entrypoints.http_errors import APIError, _loc_to_param
 from arborlm.entrypoints.openai.common import (
     abort_message,
-    build_all,
-    check_possible,
     field_names,
     max_new_tokens,
     openai_error,
@@ -25,7 +17,6 @@ from arborlm.entrypoints.openai.common import (
 )
 from arborlm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from arborlm.entrypoints.openai.tool_calls import plan_tools
-from arborlm.runtime.io_struct import GenerateReqInput
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -147,56 +138,3 @@ def test_max_new_tokens_defaults_to_the_rest_of_the_context():
 ])
 def test_error_locations_become_openai_params(loc, param):
     assert _loc_to_param(list(loc)) == param
-
-
-class _SlowManager:
-    """Builds requests slowly, as a large JSON schema is prepared; records the thread it ran on."""
-
-    max_in_flight = 48
-    model_info = SimpleNamespace(max_running_requests=16)
-    server_args = SimpleNamespace(scheduler=SimpleNamespace(max_queued_requests=32))
-
-    def __init__(self):
-        self.threads: list[int] = []
-
-    def build_request(self, req):
-        self.threads.append(threading.get_ident())
-        time.sleep(0.3)
-        return SimpleNamespace(rid=req.rid, input_ids=[1], sampling_params=SimpleNamespace(max_new_tokens=4))
-
-    def check_capacity(self, num_new: int) -> None:
-        pass
-
-
-@pytest.mark.parametrize("build", ["openai", "native"])
-def test_requests_are_built_off_the_event_loop(build):
-    manager = _SlowManager()
-    reqs = [GenerateReqInput(text="x", rid="a"), GenerateReqInput(text="x", rid="b")]
-
-    async def run() -> int:
-        ticks = 0
-
-        async def tick() -> None:  # stands for other requests, /health, streams
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.01)
-                ticks += 1
-
-        ticker = asyncio.create_task(tick())
-        if build == "openai":
-            built = await build_all(manager, reqs)
-        else:
-            built = await native_api._build(manager, reqs, context_len=1024)
-        ticker.cancel()
-        assert [b.rid for b in built] == ["a", "b"]
-        assert threading.get_ident() not in manager.threads
-        return ticks
-
-    assert asyncio.run(run()) >= 20  # the loop kept running for the 0.6 s of building
-
-
-def test_impossible_n_is_a_400_not_a_503():
-    with pytest.raises(APIError) as excinfo:
-        check_possible(_SlowManager(), 49, "n")
-    assert excinfo.value.status == 400 and excinfo.value.param == "n" and "48" in excinfo.value.message
-    check_possible(_SlowManager(), 48, "n")

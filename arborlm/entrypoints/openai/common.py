@@ -1,11 +1,11 @@
 """What `/v1/completions` and `/v1/chat/completions` share: the request body,
-OpenAI fields → `SamplingParams`, the scheduler's results → choices, usage and
-logprobs in OpenAI's shapes, and running the requests of one call together.
+OpenAI fields → `SamplingParams`, the rules their requests are built by
+(`OPENAI_RULES`), the scheduler's results → choices, usage and logprobs in
+OpenAI's shapes, and running the requests of one call together.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 import uuid
@@ -18,9 +18,10 @@ from pydantic import BaseModel, ValidationError
 
 from arborlm.entrypoints.http_errors import APIError, bad_request, validation_error
 from arborlm.entrypoints.openai.protocol import ResponseFormat, SamplingRequest
+from arborlm.entrypoints.request_builder import BatchRules
 from arborlm.entrypoints.streaming import merge_streams
 from arborlm.errors import InvalidRequestError
-from arborlm.runtime.io_struct import GenerateReqInput, TokenizedGenerateReqInput
+from arborlm.runtime.io_struct import TokenizedGenerateReqInput
 from arborlm.runtime.tokenizer_manager import TokenizerManager
 
 B = TypeVar("B", bound=BaseModel)
@@ -39,6 +40,10 @@ _SAME_NAME_FIELDS = (
     "top_k", "min_p", "repetition_penalty", "regex", "ebnf", "json_schema", "structural_tag",
     "ignore_eos", "stop_token_ids", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
 )
+# How both routes build their requests (`request_builder.build_batch`): the context is checked
+# before building (`max_new_tokens`, `check_prompt_len`), so only a call that can never fit
+# is refused here, naming `n`; a refused grammar rejects the call.
+OPENAI_RULES = BatchRules(never_fits_param="n")
 
 
 async def parse_body(request: Request, model: type[B]) -> B:
@@ -189,45 +194,6 @@ def choice_rid(rid: str | None, index: int, count: int) -> str | None:
     if rid is None:
         return None
     return rid if count == 1 else f"{rid}-{index}"
-
-
-async def build_all(manager: TokenizerManager, reqs: list[GenerateReqInput]) -> list[TokenizedGenerateReqInput]:
-    """Validate and tokenize every request before any runs; check the queue has room for all.
-
-    The work runs in a worker thread: preparing a large JSON schema or
-    tokenizing a long prompt takes a while, and the event loop keeps answering
-    other requests meanwhile.
-
-    Raises
-    ------
-    InvalidRequestError: a bad field (native name; see `openai_errors`).
-    APIError: 400 when the call makes more requests than the server can ever
-        hold at once (`max_running_requests + max_queued_requests`).
-    ServerOverloadedError: no room for them now (503).
-    """
-    check_possible(manager, len(reqs), "n")
-    built = await asyncio.to_thread(lambda: [manager.build_request(r) for r in reqs])
-    if len({b.rid for b in built}) < len(built):
-        raise bad_request("request ids of one call must be distinct", param="rid")
-    manager.check_capacity(len(built))
-    return built
-
-
-def check_possible(manager: TokenizerManager, num_reqs: int, param: str) -> None:
-    """400 when `num_reqs` requests of one call can never be in flight together (503 is for busy).
-
-    Raises
-    ------
-    APIError: 400 naming `param`.
-    """
-    limit = manager.max_in_flight
-    if limit is not None and num_reqs > limit:
-        raise bad_request(
-            f"this call makes {num_reqs} requests (prompts x n), more than this server ever holds at once: "
-            f"{limit} (max_running_requests={manager.model_info.max_running_requests} + "
-            f"max_queued_requests={manager.server_args.scheduler.max_queued_requests}); send fewer per call",
-            param=param,
-        )
 
 
 def stream_all(manager: TokenizerManager, built: list[TokenizedGenerateReqInput]

@@ -22,10 +22,10 @@ from fastapi.responses import JSONResponse, Response
 
 from arborlm.entrypoints.openai.chat_render import render_chat
 from arborlm.entrypoints.openai.common import (
+    OPENAI_RULES,
     TokenText,
     UsageCounter,
     abort_message,
-    build_all,
     chat_logprobs,
     check_prompt_len,
     choice_rid,
@@ -53,6 +53,7 @@ from arborlm.entrypoints.openai.tool_calls import (
     tool_message,
 )
 from arborlm.entrypoints.openai.tool_parser import ToolCallParser
+from arborlm.entrypoints.request_builder import build_batch
 from arborlm.entrypoints.server_state import get_state
 from arborlm.entrypoints.streaming import (
     SSE_DONE,
@@ -115,7 +116,7 @@ async def chat_completions(request: Request) -> Response:
     ]
     call = ChatCall(new_id("chatcmpl", req.rid), now_s(), state.model_name, req, TokenText(state.tokenizer), plan)
     with openai_errors(field_names(req)):
-        built = await build_all(manager, reqs)
+        built = await build_batch(manager, reqs, OPENAI_RULES)
         if req.stream:
             chunks = await cancel_on_disconnect(request, primed(stream_all(manager, built)))
             return sse_response(_stream(call, chunks))

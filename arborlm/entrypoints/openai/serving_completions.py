@@ -16,10 +16,10 @@ from fastapi.responses import JSONResponse, Response
 from arborlm.entrypoints.http_errors import bad_request
 from arborlm.entrypoints.openai.common import (
     DEFAULT_COMPLETION_MAX_TOKENS,
+    OPENAI_RULES,
     TokenText,
     UsageCounter,
     abort_message,
-    build_all,
     check_prompt_len,
     choice_rid,
     completion_logprobs,
@@ -37,6 +37,7 @@ from arborlm.entrypoints.openai.common import (
     stream_all,
 )
 from arborlm.entrypoints.openai.protocol import CompletionRequest
+from arborlm.entrypoints.request_builder import build_batch
 from arborlm.entrypoints.server_state import ServerState, get_state
 from arborlm.entrypoints.streaming import (
     SSE_DONE,
@@ -127,7 +128,7 @@ async def completions(request: Request) -> Response:
             ))
     call = CompletionCall(new_id("cmpl", req.rid), now_s(), state.model_name, req, TokenText(state.tokenizer))
     with openai_errors(field_names(req)):
-        built = await build_all(manager, reqs)
+        built = await build_batch(manager, reqs, OPENAI_RULES)
         if req.stream:
             chunks = await cancel_on_disconnect(request, primed(stream_all(manager, built)))
             return sse_response(_stream(call, chunks))
