@@ -16,12 +16,10 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from arborlm.runtime.layers.attention.names import ATTENTION_BACKEND_NAMES
-
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-ATTENTION_BACKENDS = ATTENTION_BACKEND_NAMES  # one list, torch-free: runtime/layers/attention/names.py
+ATTENTION_BACKENDS = ("auto", "triton", "torch", "reference")  # kernels.backend.create_attention_backend
 
 
 def _check(cond: bool, name: str, value: Any, expected: str) -> None:
