@@ -16,10 +16,12 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from arborlm.runtime.layers.attention.names import ATTENTION_BACKEND_NAMES
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-ATTENTION_BACKENDS = ("auto", "triton", "torch", "reference")  # kernels.backend.create_attention_backend
+ATTENTION_BACKENDS = ATTENTION_BACKEND_NAMES  # one list, torch-free: runtime/layers/attention/names.py
 
 
 def _check(cond: bool, name: str, value: Any, expected: str) -> None:

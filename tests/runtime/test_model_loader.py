@@ -11,12 +11,12 @@ import torch
 from arborlm.errors import ModelLoadError
 from arborlm.runtime import model_loader
 from arborlm.runtime.model_loader import (
-    SUPPORTED_ARCHITECTURES,
     default_model_path,
     load_model,
     resolve_checkpoint,
     resolve_dtype,
 )
+from arborlm.runtime.models.registry import SUPPORTED_ARCHITECTURES
 
 
 def test_default_model_is_the_packaged_gguf():

@@ -1,0 +1,166 @@
+"""The torch attention backend: the CPU path (`kernels/torch_native.py`), on any device.
+
+Per step it builds the gather indices and masks every layer shares; with the C++
+CPU kernels of `kernels/cpu_ops.py` (`NativeLayerOps`), DECODE steps instead go
+through `decode_attention` and, on a CPU with AMX, EXTEND steps through
+`extend_attention`, both reading K/V in the pool in place. Steps the native
+kernels do not take (dtype, layout) fall back to `torch_native` (SDPA over a gather).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from arborlm.kernels import torch_native
+from arborlm.kernels.cpu_ops import NativeLayerOps
+from arborlm.runtime.forward_batch_info import ForwardBatch
+from arborlm.runtime.layers.attention.base import AttentionBackend
+
+
+@dataclass
+class NativeDecodeMetadata:
+    """A DECODE step for `NativeLayerOps.decode_attention`: the request rows,
+    lengths and new K/V slots as contiguous int64 (batch,) tensors, made once per
+    step; `checked` once the first layer's tensors passed `can_decode`."""
+
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    checked: bool = False
+
+
+@dataclass
+class NativeExtendMetadata:
+    """An EXTEND step for `NativeLayerOps.extend_attention`: request rows, lengths,
+    new-token counts and each request's first row of q, as contiguous int64 (batch,)
+    tensors made once per step; `checked` once the first layer passed `can_extend`."""
+
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    extend_seq_lens: torch.Tensor
+    extend_start_loc: torch.Tensor
+    checked: bool = False
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """The torch CPU path (`kernels/torch_native.py`): per-step metadata, runs on any device.
+
+    With `native` (the C++ CPU kernels), DECODE steps whose tensors it takes attend
+    through `NativeLayerOps.decode_attention`, and on a CPU with AMX the EXTEND steps
+    through `NativeLayerOps.extend_attention`; both read K/V in place and need no
+    per-step gather indices. Other steps take `torch_native` (SDPA over a gather).
+    """
+
+    def __init__(self, native: NativeLayerOps | None = None):
+        self.native = native
+
+    @classmethod
+    def create(cls, device: torch.device, native: NativeLayerOps | None) -> TorchAttentionBackend:
+        return cls(native)
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        if self.native is not None and self.native.amx and forward_batch.forward_mode.is_extend():
+            extend_seq_lens = forward_batch.extend_seq_lens.to(torch.int64)
+            forward_batch.attn_metadata = NativeExtendMetadata(
+                forward_batch.req_pool_indices.to(torch.int64).contiguous(),
+                forward_batch.seq_lens.to(torch.int64).contiguous(),
+                extend_seq_lens.contiguous(),
+                (torch.cumsum(extend_seq_lens, 0) - extend_seq_lens).contiguous(),
+            )
+        elif self.native is not None and forward_batch.forward_mode.is_decode():
+            # The layers check that the kernel takes their tensors, and fall back if not.
+            forward_batch.attn_metadata = NativeDecodeMetadata(
+                forward_batch.req_pool_indices.to(torch.int64).contiguous(),
+                forward_batch.seq_lens.to(torch.int64).contiguous(),
+                forward_batch.out_cache_loc.to(torch.int64).contiguous(),
+            )
+        else:
+            forward_batch.attn_metadata = self._torch_metadata(forward_batch)
+
+    @staticmethod
+    def _torch_metadata(forward_batch: ForwardBatch):
+        """`torch_native`'s gather indices and masks for this step."""
+        req_to_token = forward_batch.req_to_token_pool.req_to_token
+        if forward_batch.forward_mode.is_decode():
+            return torch_native.build_decode_metadata(
+                req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
+                max(forward_batch.seq_lens_cpu), forward_batch.token_to_kv_pool.num_kv_heads,
+            )
+        return torch_native.build_extend_step_metadata(
+            req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
+            forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens,
+            forward_batch.extend_seq_lens_cpu, forward_batch.seq_lens_cpu,
+            forward_batch.token_to_kv_pool.num_kv_heads,
+        )
+
+    def forward(self, q, k, v, layer_id, forward_batch, scale, sliding_window=None, logit_cap=0.0):
+        meta = forward_batch.attn_metadata
+        if isinstance(meta, NativeDecodeMetadata):
+            o = self._native_decode(q, k, v, layer_id, forward_batch, meta, scale, sliding_window, logit_cap)
+            if o is not None:
+                return o
+            forward_batch.attn_metadata = None
+        # The native decode kernel stores the new K/V itself; every other path stores them first.
+        forward_batch.token_to_kv_pool.set_kv_buffer(layer_id, forward_batch.out_cache_loc, k, v)
+        if isinstance(meta, NativeExtendMetadata):
+            o = self._native_extend(q, layer_id, forward_batch, meta, scale, sliding_window, logit_cap)
+            if o is not None:
+                return o
+            forward_batch.attn_metadata = None
+        if forward_batch.attn_metadata is None:
+            forward_batch.attn_metadata = self._torch_metadata(forward_batch)
+        return self._torch_attention(q, layer_id, forward_batch, scale, sliding_window, logit_cap)
+
+    def _native_decode(self, q, k, v, layer_id, forward_batch, meta: NativeDecodeMetadata, scale,
+                       sliding_window, logit_cap) -> torch.Tensor | None:
+        """The DECODE step through the C++ kernel, which also stores k, v; None where it
+        does not take these tensors (nothing is stored then)."""
+        k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer_id)
+        req_to_token = forward_batch.req_to_token_pool.req_to_token
+        new_kv = (k, v, meta.out_cache_loc)
+        if not (meta.checked or self.native.can_decode(q, k_buffer, v_buffer, req_to_token, new_kv)):
+            return None
+        # Every layer has the same shapes, dtypes and layout: check the first only.
+        meta.checked = True
+        return self.native.decode_attention(
+            q, k_buffer, v_buffer, req_to_token, meta.req_pool_indices, meta.seq_lens,
+            scale, sliding_window, logit_cap, new_kv=new_kv, check=False,
+        )
+
+    def _native_extend(self, q, layer_id, forward_batch, meta: NativeExtendMetadata, scale,
+                       sliding_window, logit_cap) -> torch.Tensor | None:
+        """The EXTEND step through the AMX kernel (K/V already stored); None where it
+        does not take these tensors."""
+        k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer_id)
+        req_to_token = forward_batch.req_to_token_pool.req_to_token
+        if not (meta.checked or self.native.can_extend(q, k_buffer, v_buffer, req_to_token)):
+            return None
+        meta.checked = True
+        return self.native.extend_attention(
+            q, k_buffer, v_buffer, req_to_token, meta.req_pool_indices, meta.seq_lens,
+            meta.extend_seq_lens, meta.extend_start_loc, scale, sliding_window, logit_cap,
+        )
+
+    def _torch_attention(self, q, layer_id, forward_batch, scale, sliding_window, logit_cap) -> torch.Tensor:
+        """`torch_native` over the step's gather metadata (K/V already stored); decode
+        tokens riding along a prefill take the native decode kernel where it fits."""
+        k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer_id)
+        meta = forward_batch.attn_metadata
+        if forward_batch.forward_mode.is_decode():
+            return torch_native.decode_attention(q, k_buffer, v_buffer, meta, scale, sliding_window, logit_cap)
+        if not isinstance(meta, torch_native.MixedMetadata):
+            return torch_native.extend_attention(q, k_buffer, v_buffer, meta, scale, sliding_window, logit_cap)
+        req_to_token = forward_batch.req_to_token_pool.req_to_token
+        decode = None
+        if self.native is not None and self.native.can_decode(q, k_buffer, v_buffer, req_to_token):
+            # The decode tokens riding along a prefill take the native kernel (K/V already stored).
+            def decode(q_single: torch.Tensor) -> torch.Tensor:
+                return self.native.decode_attention(
+                    q_single, k_buffer, v_buffer, req_to_token, meta.single_req_pool_indices, meta.decode.seq_lens,
+                    scale, sliding_window, logit_cap, check=False,
+                )
+        return torch_native.mixed_attention(
+            q, k_buffer, v_buffer, meta, scale, sliding_window, logit_cap, decode=decode
+        )
