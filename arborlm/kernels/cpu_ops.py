@@ -174,7 +174,7 @@ class RotaryStep:
 
     positions: (num_tokens,) int64. cos_table, sin_table: (max_positions, head_dim)
     in the model dtype, `sin_table` carrying `rotate_half`'s sign (see
-    `models.llama.RotaryEmbedding`). `cos_sin()` gathers the tables at the positions,
+    `runtime/layers/rotary_embedding.py`). `cos_sin()` gathers the tables at the positions,
     two `(num_tokens, 1, head_dim)` tensors, once per step (the torch path only; the
     native kernel reads the tables in place).
     """

@@ -24,11 +24,9 @@ class ForwardMode(enum.Enum):
 
     EXTEND = enum.auto()  # new prompt tokens after a (possibly empty) cached prefix
     DECODE = enum.auto()  # one new token per request
-    MIXED = enum.auto()  # extend and decode requests in one step (reserved)
-    IDLE = enum.auto()  # nothing to run
 
     def is_extend(self) -> bool:
-        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+        return self is ForwardMode.EXTEND
 
     def is_decode(self) -> bool:
         return self is ForwardMode.DECODE
