@@ -128,7 +128,7 @@ class TokenizerManager:
         """Validate and tokenize one request.
 
         The grammar is checked last, so a `GrammarError` means every other
-        field is fine (a batch reports such an item alone, `generate_batch`).
+        field is fine (an Engine batch reports such an item alone, `entrypoints.request_builder.build_batch`).
 
         Raises
         ------
