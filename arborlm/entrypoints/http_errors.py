@@ -2,7 +2,10 @@
 
 The body is always `{"error": {"message", "type", "param", "code"}}`. Request
 validation (pydantic, FastAPI) answers 400, never 422; arborlm's typed errors map
-to a status here, in one table, so the routes only raise.
+to a status here, in one table, so the routes only raise. An unexpected exception
+is a 500 whose message says only "internal error" and an id: its text (file
+paths, torch messages, a tensor's shape) goes to the server log under that id,
+never to the client.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from arborlm.entrypoints.request_id import HEADER as REQUEST_ID_HEADER
+from arborlm.entrypoints.request_id import new_request_id, request_id_of
 from arborlm.errors import (
     ArborError,
     EngineDeadError,
@@ -59,8 +64,20 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def to_api_error(exc: BaseException) -> APIError:
-    """The HTTP answer for any exception a route let escape (500 for the unexpected)."""
+def to_api_error(exc: BaseException, request_id: str | None = None) -> APIError:
+    """The HTTP answer for any exception a route let escape.
+
+    Parameters
+    ----------
+    exc: the exception.
+    request_id: the request's id (`request_id.request_id_of`); None makes a new one
+        (an error met inside a stream, where the request is out of reach).
+
+    Returns
+    -------
+    The typed errors' 4xx/503, or for anything else a 500 with a generic message
+    naming the id; the exception and its traceback are logged under that id.
+    """
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, InvalidRequestError):
@@ -73,8 +90,14 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(503, str(exc) or "the request was aborted", type="server_error", code="request_aborted")
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"the engine is not running: {exc}", type="server_error", code="engine_dead")
-    logger.error("internal error", exc_info=exc)
-    return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error")
+    return internal_error(exc, request_id or new_request_id())
+
+
+def internal_error(exc: BaseException, request_id: str) -> APIError:
+    """Log `exc` with its traceback under `request_id`; a 500 that names only the id."""
+    logger.error("internal error in request %s", request_id, exc_info=exc)
+    return APIError(500, f"internal server error (request id {request_id}; the details are in the server log)",
+                    type="server_error", code="internal_error")
 
 
 def validation_error(errors: list[dict[str, Any]]) -> APIError:
@@ -124,8 +147,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ArborError)
     @app.exception_handler(ValidationError)
     async def _known(request: Request, exc: Exception) -> JSONResponse:
-        return to_api_error(exc).response()
+        return to_api_error(exc, request_id_of(request)).response()
 
     @app.exception_handler(Exception)
     async def _other(request: Request, exc: Exception) -> JSONResponse:
-        return to_api_error(exc).response()
+        # Starlette answers this one outside the app's middlewares, so the header is set here.
+        request_id = request_id_of(request) or new_request_id()
+        response = to_api_error(exc, request_id).response()
+        response.headers.setdefault(REQUEST_ID_HEADER, request_id)
+        return response

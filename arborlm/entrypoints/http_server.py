@@ -1,9 +1,14 @@
-"""The FastAPI app: routes, bearer-key check, error shapes, and the lifespan that
+"""The FastAPI app: routes, middlewares, error shapes, and the lifespan that
 starts the `TokenizerManager` on uvicorn's event loop and stops the scheduler.
 
 `create_app(state)` takes a `ServerState` whose scheduler process is already
 running (`launch.py` starts it before uvicorn, so a model that fails to load
 fails the command, not the first request).
+
+The middlewares, outermost first: `RequestIdMiddleware` (every answer's
+`X-Request-Id`), `BrowserGuardMiddleware` (Host and cross-site checks),
+`BodyLimitMiddleware` (413), `AuthMiddleware` (bearer keys); docs/security.md
+says what each refuses and why.
 """
 
 from __future__ import annotations
@@ -11,26 +16,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
 
 from arborlm.entrypoints import native_api
+from arborlm.entrypoints.auth import AuthMiddleware, KeyPolicy
 from arborlm.entrypoints.body_limit import BodyLimitMiddleware
-from arborlm.entrypoints.http_errors import APIError, install_error_handlers
+from arborlm.entrypoints.browser_guard import BrowserGuardMiddleware, HostPolicy
+from arborlm.entrypoints.http_errors import install_error_handlers
 from arborlm.entrypoints.openai.serving_chat import chat_completions
 from arborlm.entrypoints.openai.serving_completions import completions
+from arborlm.entrypoints.request_id import RequestIdMiddleware
 from arborlm.entrypoints.server_state import ServerState, get_state
 from arborlm.runtime.launcher import close_front
 from arborlm.runtime.tokenizer_manager import TokenizerManager
 from arborlm.version import __version__
 
 logger = logging.getLogger(__name__)
-
-# Open without the API key: liveness probes and metric scrapers carry no token (as in SGLang).
-PUBLIC_PATHS = ("/health", "/metrics")
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -49,8 +52,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="arborlm", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.arbor = state
     install_error_handlers(app)
-    _install_auth(app, state.server_args.server.api_key)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=state.server_args.server.max_request_bytes)  # outermost
+    _install_middlewares(app, state)
     app.include_router(native_api.router)
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"])
@@ -80,22 +82,13 @@ async def _stop_front(state: ServerState) -> None:
     logger.info("scheduler stopped")
 
 
-def _install_auth(app: FastAPI, api_key: str | None) -> None:
-    """With `api_key`, every route but `PUBLIC_PATHS` needs `Authorization: Bearer <key>` (else 401)."""
-    if not api_key:
-        return
-
-    @app.middleware("http")
-    async def check_key(request: Request, call_next) -> Response:
-        if request.method == "OPTIONS" or request.url.path in PUBLIC_PATHS:
-            return await call_next(request)
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
-            error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                             code="invalid_api_key")
-            return error.response()
-        return await call_next(request)
+def _install_middlewares(app: FastAPI, state: ServerState) -> None:
+    """Each `add_middleware` wraps the ones before it: the last added runs first."""
+    cfg = state.server_args.server
+    app.add_middleware(AuthMiddleware, policy=KeyPolicy(cfg.api_key, cfg.admin_api_key))
+    app.add_middleware(BodyLimitMiddleware, max_bytes=cfg.max_request_bytes)
+    app.add_middleware(BrowserGuardMiddleware, policy=HostPolicy(cfg.allowed_hosts, cfg.binds_loopback))
+    app.add_middleware(RequestIdMiddleware)
 
 
 def _model_card(state: ServerState) -> dict:

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from arborlm.chat_template import ChatTemplate
+from arborlm.entrypoints.auth import require_admin
 from arborlm.entrypoints.http_errors import APIError, bad_request
 from arborlm.entrypoints.openai.common import TokenText, parse_body
 from arborlm.entrypoints.openai.protocol import AbortRequest, GenerateRequest
@@ -204,10 +205,7 @@ async def get_server_info(request: Request) -> dict[str, Any]:
 
 
 def _public_args(state: ServerState) -> dict[str, Any]:
-    args = state.server_args.to_dict()
-    if args.get("api_key"):
-        args["api_key"] = "<redacted>"
-    return args
+    return state.server_args.public_dict()  # the API keys redacted
 
 
 # ---- control -----------------------------------------------------------------
@@ -217,7 +215,8 @@ def _public_args(state: ServerState) -> dict[str, Any]:
 @router.get("/flush_cache", operation_id="flush_cache_get")
 @router.post("/flush_cache", operation_id="flush_cache_post")
 async def flush_cache(request: Request) -> dict[str, Any]:
-    """Empty the radix cache; 400 while requests are in flight."""
+    """Empty the radix cache; 400 while requests are in flight. An admin route (`auth`)."""
+    require_admin(request)
     if not await get_state(request).live_manager().flush_cache():
         raise bad_request("the cache cannot be flushed while requests are in flight")
     return {"success": True, "message": "Cache flushed."}
@@ -225,8 +224,11 @@ async def flush_cache(request: Request) -> dict[str, Any]:
 
 @router.post("/abort_request")
 async def abort_request(request: Request) -> dict[str, Any]:
-    """Abort one request by id (`{"rid": ...}`) or all (`{"abort_all": true}`); unknown ids are ignored."""
+    """Abort one request by id (`{"rid": ...}`) or all (`{"abort_all": true}`, an admin
+    route: `auth`); unknown ids are ignored."""
     body = await parse_body(request, AbortRequest)
+    if body.abort_all:
+        require_admin(request)
     manager = get_state(request).live_manager()
     rids = list(manager.rid_to_state) if body.abort_all else [body.rid]
     for rid in rids:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
+from arborlm.entrypoints.browser_guard import require_json
 from arborlm.entrypoints.http_errors import APIError, bad_request, validation_error
 from arborlm.entrypoints.openai.protocol import ResponseFormat, SamplingRequest
 from arborlm.entrypoints.request_builder import BatchRules
@@ -51,8 +52,10 @@ async def parse_body(request: Request, model: type[B]) -> B:
 
     Raises
     ------
-    APIError: 400 for an empty or malformed body, or a field of the wrong type.
+    APIError: 415 for a body not declared JSON (`browser_guard.require_json`);
+        400 for an empty or malformed body, or a field of the wrong type.
     """
+    require_json(request)
     body = await request.body()
     if not body.strip():
         raise bad_request("the request body is empty; send a JSON object")
