@@ -63,37 +63,18 @@ from arborlm.constrained.compile_worker import (
     WorkerSetupError,
     setup_message,
 )
+from arborlm.constrained.registry import backend_class
 
 logger = logging.getLogger(__name__)
 
-GRAMMAR_BACKEND_NAMES = ("xgrammar", "outlines")
 # How often an idle slot's thread checks that its manager is still referenced.
 IDLE_CHECK_S = 1.0
 
 
-def backend_class(name: str) -> type[GrammarBackend]:
-    """The `GrammarBackend` subclass called ``name`` ("xgrammar" or "outlines").
-
-    Imported on first use, so a front that only checks grammars loads one library.
-
-    Raises
-    ------
-    ValueError
-        ``name`` is not a known backend.
-    """
-    if name == "xgrammar":
-        from arborlm.constrained.xgrammar_backend import XGrammarBackend
-
-        return XGrammarBackend
-    if name == "outlines":
-        from arborlm.constrained.outlines_backend import OutlinesBackend
-
-        return OutlinesBackend
-    raise ValueError(f"unknown grammar backend {name!r}; expected one of {GRAMMAR_BACKEND_NAMES}")
-
-
 def create_grammar_backend(name: str, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> GrammarBackend:
-    """A backend ``name`` for ``tokenizer`` (logits of ``vocab_size`` columns, stop ids ``eos_token_ids``).
+    """The grammar backend ``name`` (one of `GRAMMAR_BACKEND_NAMES`), built for ``tokenizer``.
+
+    ``vocab_size`` is the number of columns of the logits, ``eos_token_ids`` the stop ids.
 
     Raises
     ------

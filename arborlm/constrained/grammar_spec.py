@@ -19,12 +19,12 @@ import json
 from dataclasses import dataclass, replace
 
 from arborlm.constrained.base import ANY_JSON, GrammarError, GrammarKey
-from arborlm.constrained.grammar_manager import backend_class
 from arborlm.constrained.json_schema import (
     PreparedSchema,
     prepare_json_schema,
     validate_json_output,
 )
+from arborlm.constrained.registry import backend_class
 from arborlm.sampling_params import SamplingParams
 
 

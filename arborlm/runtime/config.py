@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from arborlm.constrained.registry import GRAMMAR_BACKEND_NAMES
 from arborlm.runtime.layers.attention.names import ATTENTION_BACKEND_NAMES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -171,14 +172,14 @@ class SchedulerConfig:
         )
 
 
-GRAMMAR_BACKENDS = ("xgrammar", "outlines")
+GRAMMAR_BACKENDS = GRAMMAR_BACKEND_NAMES  # one list, torch-free: constrained/registry.py
 
 
 @dataclass(frozen=True)
 class GrammarConfig:
     """Grammar-constrained decoding (see `arborlm.constrained`)."""
 
-    grammar_backend: str = field(default="xgrammar", metadata={"help": "xgrammar | outlines"})
+    grammar_backend: str = field(default="xgrammar", metadata={"help": " | ".join(GRAMMAR_BACKENDS)})
     grammar_compile_timeout: float = field(
         default=60.0, metadata={"help": "seconds a request may wait for its grammar to compile"}
     )

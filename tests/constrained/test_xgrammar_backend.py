@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from arborlm.constrained.base import GrammarError, GrammarKey, allocate_vocab_mask, apply_vocab_mask
-from arborlm.constrained.grammar_manager import backend_class, create_grammar_backend
+from arborlm.constrained.grammar_manager import create_grammar_backend
+from arborlm.constrained.registry import backend_class
 from arborlm.constrained.xgrammar_backend import (
     TAG_MAX_WHITESPACE,
     XGrammarBackend,

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from arborlm.constrained.base import GrammarError, GrammarKey
-from arborlm.constrained.grammar_manager import backend_class
 from arborlm.constrained.json_schema import (
     PreparedSchema,
     prepare_json_schema,
     validate_json_output,
 )
+from arborlm.constrained.registry import backend_class
 from arborlm.entrypoints.http_errors import bad_request
 from arborlm.entrypoints.openai.common import openai_error
 from arborlm.entrypoints.openai.protocol import ChatCompletionRequest, ToolDefinition
