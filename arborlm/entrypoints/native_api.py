@@ -69,12 +69,13 @@ async def generate(request: Request) -> Response:
     rules = BatchRules(check_context=True, never_fits_param=prompt_param if _num_prompts(body) > 1 else "n")
     built = await _build(manager, reqs, rules)
     token_text = TokenText(state.tokenizer) if body.return_text_in_logprobs else None
+    report_cached = state.server_args.server.enable_cache_report
     if body.stream:
         merged = merge_streams([manager.generate(b) for b in built])
         chunks = await cancel_on_disconnect(request, primed(merged))
-        return sse_response(_stream(chunks, is_batch, token_text))
+        return sse_response(_stream(chunks, is_batch, token_text, report_cached))
     results = await cancel_on_disconnect(request, run_built_batch(manager, built))
-    results = [_with_token_text(r, token_text) for r in results]
+    results = [_cache_report(_with_token_text(r, token_text), report_cached) for r in results]
     return JSONResponse(results if is_batch else results[0])
 
 
@@ -113,7 +114,7 @@ def _assign_rids(reqs: list[GenerateReqInput], rid: str | list[str] | None) -> N
 
 
 async def _stream(chunks: AsyncIterator[tuple[int, dict[str, Any]]], is_batch: bool,
-                  token_text: TokenText | None) -> AsyncIterator[str]:
+                  token_text: TokenText | None, report_cached: bool) -> AsyncIterator[str]:
     """Cumulative text and ids per request, as SGLang streams them."""
     text: dict[int, str] = {}
     ids: dict[int, list[int]] = {}
@@ -121,10 +122,19 @@ async def _stream(chunks: AsyncIterator[tuple[int, dict[str, Any]]], is_batch: b
         text[index] = text.get(index, "") + chunk["text"]
         ids.setdefault(index, []).extend(chunk["output_ids"])
         out = _with_token_text({**chunk, "text": text[index], "output_ids": list(ids[index])}, token_text)
+        out = _cache_report(out, report_cached)
         if is_batch:
             out["index"] = index
         yield sse(out)
     yield SSE_DONE
+
+
+def _cache_report(result: dict[str, Any], report_cached: bool) -> dict[str, Any]:
+    """`meta_info.cached_tokens` as 0 unless `--enable-cache-report`: the real count tells a
+    client which prompt prefixes other clients sent. The key stays, as SGLang's clients read it."""
+    if report_cached or not result["meta_info"].get("cached_tokens"):
+        return result
+    return {**result, "meta_info": {**result["meta_info"], "cached_tokens": 0}}
 
 
 def _with_token_text(result: dict[str, Any], token_text: TokenText | None) -> dict[str, Any]:

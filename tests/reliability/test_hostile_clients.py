@@ -149,3 +149,28 @@ def test_the_openai_client_works_with_the_key_from_the_file(server, count):
     oai = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=USER_KEY, max_retries=0, timeout=60)
     out = oai.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert out.usage.completion_tokens >= 1
+
+
+def test_cached_tokens_are_not_reported_by_default(server, count):
+    """Without --enable-cache-report, a second client sending the first one's prompt cannot tell
+    from the answer that it was cached (SGLang leaves prompt_tokens_details out)."""
+    chat = {"messages": [{"role": "user", "content": SHARED_PROMPT}], "max_tokens": 1}
+    with client(server) as victim, client(server) as prober:
+        assert victim.post("/v1/chat/completions", json=chat).status_code == 200
+        probe = prober.post("/v1/chat/completions", json=chat).json()["usage"]
+        assert "prompt_tokens_details" not in probe
+        with prober.stream("POST", "/v1/chat/completions",
+                           json={**chat, "stream": True, "stream_options": {"include_usage": True}}) as response:
+            events = [line[6:] for line in response.iter_lines() if line.startswith("data: {")]
+        assert "prompt_tokens_details" not in json.loads(events[-1])["usage"]
+        completion = {"prompt": SHARED_PROMPT, "max_tokens": 1}
+        victim.post("/v1/completions", json=completion)
+        assert "prompt_tokens_details" not in prober.post("/v1/completions", json=completion).json()["usage"]
+        native = {"text": SHARED_PROMPT, "sampling_params": {"max_new_tokens": 1}}
+        victim.post("/generate", json=native)
+        assert prober.post("/generate", json=native).json()["meta_info"]["cached_tokens"] == 0
+        with prober.stream("POST", "/generate", json={**native, "stream": True}) as response:
+            events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+        assert all(e["meta_info"]["cached_tokens"] == 0 for e in events)
+        # the cache did serve the prompt: the server's own counters still see it
+        assert prober.get("/get_server_info").json()["cache_hit_rate"] > 0

@@ -99,8 +99,9 @@ def server(tiny_llama_dir, tmp_path_factory, _servers):
     and again only after a module has stopped it (test_server.py ends with SIGTERM)."""
     if _servers and _servers[-1].process.poll() is None:
         return _servers[-1]
+    # --enable-cache-report: test_server.py checks the cached-token counts (off by default)
     srv = start_server(tiny_llama_dir, tmp_path_factory.mktemp("server") / "server.log",
-                       "--max-running-requests", "16", "--max-queued-requests", "32")
+                       "--max-running-requests", "16", "--max-queued-requests", "32", "--enable-cache-report")
     _servers.append(srv)
     return srv
 

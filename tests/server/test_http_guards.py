@@ -262,3 +262,17 @@ def test_an_error_event_mid_stream_hides_the_exception(caplog):
     assert "secret_module" not in response.text and error["code"] == "internal_error"
     error_id = error["message"].split("request id ")[1].split(";")[0]
     assert any(error_id in r.getMessage() for r in caplog.records)
+
+
+# ---- the cache report ------------------------------------------------------------------------
+
+
+def test_usage_reports_cached_tokens_only_when_asked():
+    from arborlm.entrypoints.openai.common import UsageCounter
+
+    meta = {"prompt_tokens": 40, "completion_tokens": 2, "cached_tokens": 39}
+    hidden, shown = UsageCounter(), UsageCounter(report_cached=True)
+    for usage in (hidden, shown):
+        usage.add(meta, first_of_prompt=True)
+    assert "prompt_tokens_details" not in hidden.to_dict() and hidden.to_dict()["prompt_tokens"] == 40
+    assert shown.to_dict()["prompt_tokens_details"] == {"cached_tokens": 39}

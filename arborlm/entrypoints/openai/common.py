@@ -236,11 +236,17 @@ def abort_message(meta: dict[str, Any]) -> str | None:
 
 @dataclass
 class UsageCounter:
-    """Token counts of one call: the prompt counted once per prompt, whatever `n`."""
+    """Token counts of one call: the prompt counted once per prompt, whatever `n`.
+
+    `prompt_tokens_details.cached_tokens` is in the usage only with `report_cached`
+    (`--enable-cache-report`; left out otherwise, as SGLang leaves it out): it tells
+    a client which prompt prefixes other clients sent.
+    """
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    report_cached: bool = False
 
     def add(self, meta: dict[str, Any], first_of_prompt: bool) -> None:
         self.completion_tokens += meta["completion_tokens"]
@@ -249,12 +255,14 @@ class UsageCounter:
             self.cached_tokens += meta["cached_tokens"]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        usage = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
+        if self.report_cached:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage
 
 
 def new_id(prefix: str, rid: str | None) -> str:

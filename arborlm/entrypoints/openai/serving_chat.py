@@ -75,6 +75,7 @@ class ChatCall:
     req: ChatCompletionRequest
     token_text: TokenText
     tools: ToolPlan | None = None
+    report_cached: bool = False  # --enable-cache-report
 
     @property
     def top_n(self) -> int:
@@ -114,7 +115,8 @@ async def chat_completions(request: Request) -> Response:
                          rid=choice_rid(req.rid, i, req.n), cache_salt=req.cache_salt)
         for i in range(req.n)
     ]
-    call = ChatCall(new_id("chatcmpl", req.rid), now_s(), state.model_name, req, TokenText(state.tokenizer), plan)
+    call = ChatCall(new_id("chatcmpl", req.rid), now_s(), state.model_name, req, TokenText(state.tokenizer), plan,
+                    report_cached=state.server_args.server.enable_cache_report)
     with openai_errors(field_names(req)):
         built = await build_batch(manager, reqs, OPENAI_RULES)
         if req.stream:
@@ -125,7 +127,7 @@ async def chat_completions(request: Request) -> Response:
 
 
 def _answer(call: ChatCall, results: list[dict[str, Any]]) -> dict[str, Any]:
-    usage = UsageCounter()
+    usage = UsageCounter(report_cached=call.report_cached)
     choices = []
     for index, result in enumerate(results):
         meta = result["meta_info"]
@@ -149,7 +151,7 @@ def _answer(call: ChatCall, results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def _stream(call: ChatCall, chunks: AsyncIterator[tuple[int, dict[str, Any]]]) -> AsyncIterator[str]:
-    usage = UsageCounter()
+    usage = UsageCounter(report_cached=call.report_cached)
     for index in range(call.req.n):
         yield sse(call.chunk([_delta(index, {"role": "assistant", "content": ""})]))
     parsers = [ToolCallParser() for _ in range(call.req.n)] if call.tools is not None else None

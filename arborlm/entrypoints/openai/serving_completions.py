@@ -88,6 +88,7 @@ class CompletionCall:
     req: CompletionRequest
     token_text: TokenText
     text_offsets: dict[int, int] = field(default_factory=dict)
+    report_cached: bool = False  # --enable-cache-report
 
     def logprobs(self, index: int, tokens: list, tops: list) -> dict[str, Any] | None:
         if self.req.logprobs is None:
@@ -126,7 +127,8 @@ async def completions(request: Request) -> Response:
                 top_logprobs_num=req.logprobs or 0, stream=req.stream,
                 rid=choice_rid(req.rid, len(reqs), total), cache_salt=req.cache_salt,
             ))
-    call = CompletionCall(new_id("cmpl", req.rid), now_s(), state.model_name, req, TokenText(state.tokenizer))
+    call = CompletionCall(new_id("cmpl", req.rid), now_s(), state.model_name, req, TokenText(state.tokenizer),
+                          report_cached=state.server_args.server.enable_cache_report)
     with openai_errors(field_names(req)):
         built = await build_batch(manager, reqs, OPENAI_RULES)
         if req.stream:
@@ -137,7 +139,7 @@ async def completions(request: Request) -> Response:
 
 
 def _answer(call: CompletionCall, results: list[dict[str, Any]]) -> dict[str, Any]:
-    usage = UsageCounter()
+    usage = UsageCounter(report_cached=call.report_cached)
     choices = []
     for index, result in enumerate(results):
         meta = result["meta_info"]
@@ -149,7 +151,7 @@ def _answer(call: CompletionCall, results: list[dict[str, Any]]) -> dict[str, An
 
 
 async def _stream(call: CompletionCall, chunks: AsyncIterator[tuple[int, dict[str, Any]]]) -> AsyncIterator[str]:
-    usage = UsageCounter()
+    usage = UsageCounter(report_cached=call.report_cached)
     async for index, chunk in chunks:
         meta = chunk["meta_info"]
         logprobs = call.logprobs(index, *last_logprobs(meta, len(chunk["output_ids"])))
