@@ -149,7 +149,7 @@ def validity(model_dir, tokenizer, prompt_ids, backend_name, specs, schemas, max
         except (ValueError, jsonschema.ValidationError) as e:
             counts["invalid"] += 1
             invalid.append((sid, str(e)[:200]))
-    mask_us = [t * 1e6 for t in sched.output_processor.mask_fill_seconds]
+    mask_us = [t * 1e6 for t in sched.worker.mask_fill_seconds]
     return counts, invalid, mask_us
 
 

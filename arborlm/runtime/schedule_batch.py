@@ -110,10 +110,13 @@ class ScheduleBatch:
 
     forward_mode: EXTEND (each req runs `fill_ids[kv_len : kv_len + extend_input_len]`)
     or DECODE (each req runs its last output token).
+    sample_rows: indices into `reqs` of the requests that take a next token in
+        this step; set by `Scheduler.run_batch` before the step runs.
     """
 
     reqs: list[Req]
     forward_mode: ForwardMode
+    sample_rows: list[int] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not self.reqs

@@ -1,11 +1,13 @@
 """The scheduler: iteration-level continuous batching over the radix cache.
 
-Owns the model runner, the KV pools and the radix cache. Its loop is
-receive → get next batch → run batch → process result. A step is either an
+Owns the request queues and decides what runs. Its step is receive →
+`get_next_batch_to_run` → `run_batch` (the model worker's forward and sampling)
+→ `process_batch_result` (append tokens, finish, release). A step is either an
 extend (prefill) of newly admitted requests, chunked when prompts are long, or
-one decode token for every running request. Finished requests put their KV
-into the radix cache so later requests reuse it (SGLang, Zheng et al. 2024).
-Runs in its own process (`run_scheduler_process`) or in-process for tests.
+one decode token for every running request. KV memory (admission budgets,
+slots, the radix cache, retraction) is the `KVManager`'s; finished requests put
+their KV into the radix cache so later requests reuse it (SGLang, Zheng et al.
+2024). Runs in its own process (`run_scheduler_process`) or in-process for tests.
 """
 
 from __future__ import annotations
@@ -14,8 +16,6 @@ import logging
 import time
 from typing import Any
 
-import torch
-
 from arborlm.constrained.base import GrammarError
 from arborlm.constrained.grammar_manager import (
     GrammarManager,
@@ -23,6 +23,7 @@ from arborlm.constrained.grammar_manager import (
     create_grammar_backend,
 )
 from arborlm.constrained.jump_forward import jump_forward_tokens
+from arborlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 from arborlm.radix_cache.radix_cache import MatchResult, RadixCache
 from arborlm.runtime.config import ServerArgs
 from arborlm.runtime.forward_batch_info import ForwardMode
@@ -34,8 +35,9 @@ from arborlm.runtime.io_struct import (
     ReqOutput,
     TokenizedGenerateReqInput,
 )
+from arborlm.runtime.kv_manager import KVManager, step_tokens
 from arborlm.runtime.model_runner import ModelRunner
-from arborlm.runtime.retract import retract_decode, step_tokens
+from arborlm.runtime.model_worker import GenerationResult, ModelWorker, ModelWorkerBatch, Worker
 from arborlm.runtime.schedule_batch import Req, ScheduleBatch
 from arborlm.runtime.schedule_policy import PrefillAdder, SchedulePolicy
 from arborlm.runtime.scheduler_output import SchedulerOutputProcessor
@@ -52,33 +54,35 @@ class Scheduler:
     Parameters
     ----------
     server_args: every knob (see `config.py`).
-    model_runner: an already built runner (tests share one); built from
-        `server_args` when None.
-    tokenizer: for stop strings; loaded from the checkpoint when None.
+    worker: runs each step (a fake one in tests); a `ModelWorker` over a
+        `ModelRunner` built from `server_args` when None.
+    tokenizer: for stop strings and grammars; when None, the `ModelWorker`'s
+        (loaded from the checkpoint).
+
+    Raises
+    ------
+    ValueError
+        When a worker is given without a tokenizer.
     """
 
-    def __init__(self, server_args: ServerArgs, model_runner: ModelRunner | None = None, tokenizer=None):
+    def __init__(self, server_args: ServerArgs, worker: Worker | None = None, tokenizer=None):
         self.server_args = server_args
-        self.model_runner = model_runner or ModelRunner(server_args)
-        if tokenizer is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(str(self.model_runner.checkpoint))
+        if worker is None:
+            worker = ModelWorker(ModelRunner(server_args), tokenizer)
+            tokenizer = worker.tokenizer
+        elif tokenizer is None:
+            raise ValueError("Scheduler: an injected worker needs a tokenizer (tokenizer=None)")
+        self.worker = worker
         self.tokenizer = tokenizer
-        mr = self.model_runner
-        self.req_to_token_pool = mr.req_to_token_pool
-        self.token_to_kv_pool = mr.token_to_kv_pool
-        self.allocator = mr.token_to_kv_pool_allocator
-        self.tree_cache = RadixCache(
-            self.allocator,
-            page_size=server_args.cache.page_size,
-            disable=server_args.cache.disable_radix_cache,
+        self.model_info = worker.model_info
+        cache = server_args.cache
+        self.kv = KVManager(
+            worker.req_to_token_pool, worker.token_to_kv_pool_allocator, cache.page_size, cache.disable_radix_cache
         )
         sched = server_args.scheduler
-        self.policy = SchedulePolicy(sched.schedule_policy, self.tree_cache)
-        self.model_info = mr.model_info(tokenizer)
+        self.policy = SchedulePolicy(sched.schedule_policy, self.kv.tree_cache)
         self.output_processor = SchedulerOutputProcessor(
-            tokenizer, self.model_info.eos_token_ids, mr.vocab_size, mr.context_length, mr.device
+            tokenizer, self.model_info.eos_token_ids, self.model_info.context_length
         )
         self.waiting_queue: list[Req] = []
         # Constrained requests whose grammar is still compiling (in the grammar worker thread).
@@ -104,6 +108,26 @@ class Scheduler:
             "num_jump_forward_tokens": 0,
             "num_jump_forward_steps": 0,
         }
+
+    @property
+    def tree_cache(self) -> RadixCache:
+        """The KV manager's radix cache (for tests and benchmarks)."""
+        return self.kv.tree_cache
+
+    @property
+    def allocator(self) -> TokenToKVPoolAllocator:
+        """The KV manager's slot allocator (for tests and benchmarks)."""
+        return self.kv.allocator
+
+    @property
+    def req_to_token_pool(self) -> ReqToTokenPool:
+        """The KV manager's request rows (for tests and benchmarks)."""
+        return self.kv.req_to_token_pool
+
+    @property
+    def model_runner(self) -> ModelRunner | None:
+        """The worker's model runner; None for a worker without one (a fake in tests)."""
+        return getattr(self.worker, "model_runner", None)
 
     # ---- inputs -------------------------------------------------------------
 
@@ -136,7 +160,7 @@ class Scheduler:
             cache_salt=recv.cache_salt,
         )
         # The front validates; this guards the in-process path against internal misuse.
-        if not req.origin_input_ids or len(req.origin_input_ids) >= self.model_runner.context_length:
+        if not req.origin_input_ids or len(req.origin_input_ids) >= self.model_info.context_length:
             req.finish_reason = {"type": "abort", "message": "prompt is empty or longer than the context"}
             self.pending_outputs.append(self.output_processor.make_output(req, []))
             return
@@ -152,7 +176,7 @@ class Scheduler:
         if self._grammar_manager is None:
             cfg = self.server_args.grammar
             backend = create_grammar_backend(
-                cfg.grammar_backend, self.tokenizer, self.model_runner.vocab_size, list(self.model_info.eos_token_ids)
+                cfg.grammar_backend, self.tokenizer, self.model_info.vocab_size, list(self.model_info.eos_token_ids)
             )
             self._grammar_manager = GrammarManager(backend, cfg.grammar_compile_timeout)
         return self._grammar_manager
@@ -201,21 +225,30 @@ class Scheduler:
         """Empty the radix cache; refused (False) while requests are in flight."""
         if self.waiting_queue or self.grammar_queue or self.alive_reqs():
             return False
-        self.tree_cache.reset()
+        self.kv.flush_cache()
         return True
 
     # ---- the loop -----------------------------------------------------------
 
     def step(self) -> list[ReqOutput]:
-        """One iteration: pick a batch, run it, return what every request produced."""
+        """One iteration: pick a batch, run it, return what every request produced.
+
+        A failure while running or processing the batch aborts that batch's
+        requests alone (`abort_batch`); the loop keeps serving the others.
+        """
         self.poll_grammar_queue()
         batch = self.get_next_batch_to_run()
         outputs, self.pending_outputs = self.pending_outputs, []
-        if batch is not None:
-            outputs.extend(self.run_batch(batch))
-        elif self.grammar_queue and not outputs:
-            # Only compiles pending: wait a little for one instead of spinning.
-            self.grammar_manager.wait_any([p for _, p in self.grammar_queue], GRAMMAR_POLL_S)
+        if batch is None:
+            if self.grammar_queue and not outputs:
+                # Only compiles pending: wait a little for one instead of spinning.
+                self.grammar_manager.wait_any([p for _, p in self.grammar_queue], GRAMMAR_POLL_S)
+            return outputs
+        try:
+            result = self.run_batch(batch)
+            outputs.extend(self.process_batch_result(batch, result))
+        except Exception as e:  # noqa: BLE001 - one bad step must not kill the server
+            outputs.extend(self.abort_batch(batch, e))
         return outputs
 
     def has_work(self) -> bool:
@@ -262,11 +295,11 @@ class Scheduler:
             return None
         chunk = sched.chunked_prefill_size if sched.chunked_prefill_size > 0 else None
         adder = PrefillAdder(
-            rem_total_tokens=self.allocator.available_size() + self.tree_cache.evictable_size(),
+            rem_total_tokens=self.kv.available_size(),
             rem_input_tokens=sched.max_prefill_tokens,
             rem_chunk_tokens=chunk,
             new_token_ratio=self.new_token_ratio,
-            context_length=self.model_runner.context_length,
+            context_length=self.model_info.context_length,
         )
         adder.reserve_running(self.running + alongside)
         if alongside:
@@ -287,7 +320,7 @@ class Scheduler:
                 break
             if req.rid in self.policy.deprioritized:
                 continue
-            if len(self.running) + len(alongside) + len(adder.can_run_list) >= self.model_runner.max_running_requests:
+            if len(self.running) + len(alongside) + len(adder.can_run_list) >= self.model_info.max_running_requests:
                 break
             if not self._admit(req, adder, matches.get(req.rid), nothing_running=not (self.running or alongside)):
                 break
@@ -307,8 +340,7 @@ class Scheduler:
         """
         if not self.server_args.scheduler.enable_mixed_chunk or not self.running:
             return
-        need = sum(r.extend_input_len for r in batch.reqs) + len(self.running)
-        if self.allocator.available_size() + self.tree_cache.evictable_size() < need:
+        if not self.kv.can_fit(sum(r.extend_input_len for r in batch.reqs) + len(self.running)):
             return
         for req in self.running:
             req.extend_input_len = 1
@@ -319,26 +351,16 @@ class Scheduler:
         """Lock the cached prefix (`match`, or a fresh one) and try to add `req`
         (`nothing_running`: no other request runs in this step)."""
         if match is None:
-            match = self.tree_cache.match_prefix(req.prefix_match_key(), req.cache_salt)
+            match = self.kv.match_prefix(req)
         prefix_len = len(match.device_indices)
-        # Locking the matched prefix takes it out of the evictable slots the budget counted on
-        # (SGLang's PrefillAdder does the same): without this, a re-admitted retracted request
-        # whose prefix filled the cache found no slot for its extend and was aborted.
-        unlocked = self.tree_cache.inc_lock_ref(match.last_node)
-        adder.rem_total_tokens += unlocked
+        adder.rem_total_tokens -= self.kv.lock_prefix(match)
         if not adder.add_one_req(req, prefix_len, nothing_running=nothing_running):
-            adder.rem_total_tokens += self.tree_cache.dec_lock_ref(match.last_node)
+            adder.rem_total_tokens += self.kv.unlock_prefix(match)
             return False
-        rows = self.req_to_token_pool.alloc(1)
-        if rows is None:
+        if not self.kv.assign_row(req, match):
             adder.can_run_list.remove(req)
-            adder.rem_total_tokens += self.tree_cache.dec_lock_ref(match.last_node)
+            adder.rem_total_tokens += self.kv.unlock_prefix(match)
             return False
-        req.req_pool_idx = rows[0]
-        req.prefix_indices = match.device_indices
-        req.last_node = match.last_node
-        req.kv_len = prefix_len
-        self.req_to_token_pool.req_to_token[req.req_pool_idx, :prefix_len] = match.device_indices.to(torch.int32)
         if req.num_retractions == 0:
             req.cached_tokens = prefix_len
             self.stats["num_prompt_tokens"] += len(req.origin_input_ids)
@@ -346,116 +368,128 @@ class Scheduler:
         req.admitted_time = time.monotonic()
         return True
 
-    def alloc_slots(self, num_tokens: int) -> torch.Tensor | None:
-        """Take KV slots, evicting unlocked cache leaves when the free list is short."""
-        short = num_tokens - self.allocator.available_size()
-        if short > 0:
-            self.tree_cache.evict(short)
-        return self.allocator.alloc(num_tokens)
-
     def prepare_decode_memory(self) -> None:
         """Make room for the next step, retracting the youngest requests if needed.
 
         The step takes one slot per running request plus, per jumping request, its
-        forced tokens and its next token (`retract.step_tokens`).
+        forced tokens and its next token (`kv_manager.step_tokens`). Retracted
+        requests go back to the front of the waiting queue, oldest first.
         """
         sched = self.server_args.scheduler
-        need = step_tokens(self.running + self.jump_forward_reqs)
-        if self.allocator.available_size() + self.tree_cache.evictable_size() >= need:
+        alive = self.running + self.jump_forward_reqs
+        if self.kv.can_fit(step_tokens(alive)):
             self.new_token_ratio = max(sched.min_new_token_ratio, self.new_token_ratio - sched.new_token_ratio_decay)
             return
-        retracted, self.new_token_ratio = retract_decode(self)
-        self.stats["num_retractions"] += len(retracted)
-        logger.info("KV cache full: retracted %d request(s); new_token_ratio=%.2f", len(retracted), self.new_token_ratio)
+        retraction = self.kv.retract_decode(alive, self.new_token_ratio)
+        taken = set(map(id, retraction.retracted))
+        self.running = [r for r in self.running if id(r) not in taken]
+        self.jump_forward_reqs = [r for r in self.jump_forward_reqs if id(r) not in taken]
+        self.waiting_queue[:0] = reversed(retraction.retracted)
+        self.new_token_ratio = retraction.new_token_ratio
+        self.stats["num_retractions"] += len(retraction.retracted)
+        logger.info("KV cache full: retracted %d request(s); new_token_ratio=%.2f", len(taken), self.new_token_ratio)
 
-    def run_batch(self, batch: ScheduleBatch) -> list[ReqOutput]:
-        """Run one step; a failure aborts that batch's requests and nothing else."""
-        try:
-            return self._run_batch(batch)
-        except Exception as e:  # noqa: BLE001 - one bad step must not kill the server
-            logger.exception("forward step failed; aborting its %d request(s)", len(batch.reqs))
-            outputs = []
-            for req in batch.reqs:
-                req.finish_reason = {"type": "abort", "message": f"internal error: {e}"}
-                self.release_req(req)
-                outputs.append(self.output_processor.make_output(req, []))
-            self.running = [r for r in self.running if not r.finished]
-            self.jump_forward_reqs = [r for r in self.jump_forward_reqs if not r.finished]
-            if self.chunked_req is not None and self.chunked_req.finished:
-                self.chunked_req = None
-            return outputs
+    def run_batch(self, batch: ScheduleBatch) -> GenerationResult:
+        """Allocate the step's KV slots, build its `ForwardBatch` and run the worker on it.
 
-    def _run_batch(self, batch: ScheduleBatch) -> list[ReqOutput]:
-        mr = self.model_runner
-        if batch.forward_mode.is_extend():
-            num_new = sum(r.extend_input_len for r in batch.reqs)
-            out_cache_loc = self.alloc_slots(num_new)
-            if out_cache_loc is None:
-                raise RuntimeError(f"out of KV slots for an extend of {num_new} tokens")
-            forward_batch = batch.prepare_extend(self.req_to_token_pool, self.token_to_kv_pool, out_cache_loc)
+        Sets `batch.sample_rows`. Raises RuntimeError when the pool cannot hold
+        the step's new tokens, and whatever the worker raises; the step's slots
+        are freed first (no request's `kv_len` covers them yet).
+        """
+        is_extend = batch.forward_mode.is_extend()
+        num_new = sum(r.extend_input_len for r in batch.reqs) if is_extend else len(batch.reqs)
+        out_cache_loc = self.kv.alloc_slots(num_new)
+        if out_cache_loc is None:
+            raise RuntimeError(f"out of KV slots for an extend of {num_new} tokens" if is_extend
+                               else "out of KV slots for a decode step")
+        if is_extend:
             self.stats["num_extend_steps"] += 1
             self.stats["num_prefill_tokens_computed"] += num_new
         else:
-            out_cache_loc = self.alloc_slots(len(batch.reqs))
-            if out_cache_loc is None:
-                raise RuntimeError("out of KV slots for a decode step")
-            forward_batch = batch.prepare_decode(self.req_to_token_pool, self.token_to_kv_pool, out_cache_loc)
             self.stats["num_decode_steps"] += 1
+        batch.sample_rows = [i for i, req in enumerate(batch.reqs) if takes_next_token(req, is_extend)]
         try:
-            logits_output = mr.forward(forward_batch)
+            prepare = batch.prepare_extend if is_extend else batch.prepare_decode
+            forward_batch = prepare(self.kv.req_to_token_pool, self.worker.token_to_kv_pool, out_cache_loc)
+            result = self.worker.forward_batch_generation(ModelWorkerBatch(forward_batch, batch.reqs, batch.sample_rows))
+            check_result_shape(batch, result)
+            return result
         except Exception:
-            # The step's slots are past every request's kv_len: release_req would not free them.
-            self.allocator.free(out_cache_loc)
+            self.kv.free_slots(out_cache_loc)
             raise
-        return self.process_batch_result(batch, logits_output, forward_batch)
 
-    def process_batch_result(self, batch: ScheduleBatch, logits_output, forward_batch) -> list[ReqOutput]:
-        """Sample, append tokens, finish requests and release their memory."""
+    def process_batch_result(self, batch: ScheduleBatch, result: GenerationResult) -> list[ReqOutput]:
+        """Bookkeeping of a step the worker ran: advance every request over its new KV,
+        append the sampled tokens, advance grammars, finish, jump forward, release."""
         is_extend = batch.forward_mode.is_extend()
-        for req in batch.reqs:
-            req.kv_len += req.extend_input_len if is_extend else 1
         running = set(map(id, self.running))
-        if is_extend:
-            self.output_processor.collect_prompt_logprobs(batch.reqs, logits_output, forward_batch)
-            for req in batch.reqs:
-                if id(req) not in running:  # a decode token riding along adds nothing to share
-                    self.cache_prefilled_prefix(req)
-        outputs = []
-        # A chunked request with prompt left samples nothing; nor does a prefill-only one.
-        rows = []
-        for i, req in enumerate(batch.reqs):
-            if is_extend and req.kv_len < len(req.fill_ids):
-                continue
-            if req.sampling_params.max_new_tokens == 0:
-                req.finish_reason = {"type": "length", "length": 0}
-                outputs.append(self.output_processor.make_output(req, []))
-                self.release_req(req)
-                continue
-            rows.append(i)
-        sampling_reqs = [batch.reqs[i] for i in rows]
-        logits = logits_output.next_token_logits
-        sampled = self.output_processor.sample(sampling_reqs, logits if len(rows) == len(batch.reqs) else logits[rows])
-        for req, token_id, logprob_info in zip(sampling_reqs, sampled.token_ids, sampled.logprob_infos):
-            req.output_ids.append(token_id)
-            self.stats["num_generated_tokens"] += 1
-            self.output_processor.accept_grammar_token(req, token_id)
-            self.output_processor.check_finished(req)
-            forced = self.jump_forward(req)
+        for req, prompt_logprobs in zip(batch.reqs, result.prompt_logprobs):
+            req.kv_len += req.extend_input_len if is_extend else 1
+            self.output_processor.add_prompt_logprobs(req, prompt_logprobs)
+            if is_extend and id(req) not in running:  # a decode token riding along adds nothing to share
+                self.kv.cache_prefilled_prefix(req)
+        outputs = self._finish_prefill_only(batch)
+        sampled = [batch.reqs[i] for i in batch.sample_rows]
+        for req, token_id, logprob_info in zip(sampled, result.next_token_ids, result.logprob_infos):
+            forced = self._append_token(req, token_id)
             outputs.append(self.output_processor.make_output(req, [token_id, *forced], logprob_info))
             if req.finished:
-                self.release_req(req)
+                self.kv.release_req(req)
             elif forced:
                 self.jump_forward_reqs.append(req)
             elif is_extend and id(req) not in running:
                 self.running.append(req)
+        outputs.extend(self._abort_flagged(batch))
+        self.running = [r for r in self.running if not r.finished and r not in self.jump_forward_reqs]
+        return outputs
+
+    def _finish_prefill_only(self, batch: ScheduleBatch) -> list[ReqOutput]:
+        """Finish the requests that asked for no new token once their prompt is in the cache."""
+        outputs = []
+        sampled = set(batch.sample_rows)
+        for i, req in enumerate(batch.reqs):
+            if i in sampled or req.sampling_params.max_new_tokens != 0 or req.kv_len < len(req.fill_ids):
+                continue
+            req.finish_reason = {"type": "length", "length": 0}
+            outputs.append(self.output_processor.make_output(req, []))
+            self.kv.release_req(req)
+        return outputs
+
+    def _append_token(self, req: Req, token_id: int) -> list[int]:
+        """Append a sampled token, advance the grammar, check the finish, then jump forward.
+
+        Returns the tokens the grammar forced after it (see `jump_forward`).
+        """
+        req.output_ids.append(token_id)
+        self.stats["num_generated_tokens"] += 1
+        self.output_processor.accept_grammar_token(req, token_id)
+        self.output_processor.check_finished(req)
+        return self.jump_forward(req)
+
+    def _abort_flagged(self, batch: ScheduleBatch) -> list[ReqOutput]:
+        """Finish the requests of this step that an abort flagged while they ran."""
+        outputs = []
         for req in batch.reqs:
             if req.to_abort and not req.finished:
                 req.finish_reason = {"type": "abort", "message": "aborted by request"}
                 outputs.append(self.output_processor.make_output(req, []))
-                self.release_req(req)
+                self.kv.release_req(req)
                 if self.chunked_req is req:
                     self.chunked_req = None
-        self.running = [r for r in self.running if not r.finished and r not in self.jump_forward_reqs]
+        return outputs
+
+    def abort_batch(self, batch: ScheduleBatch, error: Exception) -> list[ReqOutput]:
+        """Abort every request of a step that failed, release their memory; nothing else changes."""
+        logger.error("forward step failed; aborting its %d request(s)", len(batch.reqs), exc_info=error)
+        outputs = []
+        for req in batch.reqs:
+            req.finish_reason = {"type": "abort", "message": f"internal error: {error}"}
+            self.kv.release_req(req)
+            outputs.append(self.output_processor.make_output(req, []))
+        self.running = [r for r in self.running if not r.finished]
+        self.jump_forward_reqs = [r for r in self.jump_forward_reqs if not r.finished]
+        if self.chunked_req is not None and self.chunked_req.finished:
+            self.chunked_req = None
         return outputs
 
     def jump_forward(self, req: Req) -> list[int]:
@@ -466,10 +500,10 @@ class Scheduler:
         """
         if req.finished or req.grammar is None or req.to_abort or self.server_args.grammar.disable_jump_forward:
             return []
-        budget = min(req.remaining_new_tokens, self.model_runner.context_length - req.seqlen)
+        budget = min(req.remaining_new_tokens, self.model_info.context_length - req.seqlen)
         # Leave room for the other jumps' extends and everyone's next token; never retract to jump.
         reserved = step_tokens(self.jump_forward_reqs) + len(self.running) + 2
-        budget = min(budget, self.allocator.available_size() + self.tree_cache.evictable_size() - reserved)
+        budget = min(budget, self.kv.available_size() - reserved)
         forced = jump_forward_tokens(req.grammar, self.tokenizer, req.output_ids, budget)
         if forced:
             req.output_ids.extend(forced)
@@ -477,33 +511,6 @@ class Scheduler:
             self.stats["num_generated_tokens"] += len(forced)
             self.output_processor.check_finished(req, num_new_tokens=len(forced))
         return forced
-
-    def cache_prefilled_prefix(self, req: Req) -> None:
-        """Put a request's freshly prefilled KV into the radix cache at once (still locked).
-
-        Waiting requests that share the prompt's prefix then match it on the next
-        prefill step instead of recomputing it (SGLang's `cache_unfinished_req`).
-        """
-        if self.tree_cache.disable or req.to_abort:
-            return
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        match = self.tree_cache.cache_unfinished_req(
-            req.fill_ids[: req.kv_len], row[: req.kv_len].to(torch.int64), req.last_node, len(req.prefix_indices),
-            req.cache_salt,
-        )
-        row[: len(match.device_indices)] = match.device_indices.to(torch.int32)
-        req.prefix_indices, req.last_node = match.device_indices, match.last_node
-
-    def release_req(self, req: Req) -> None:
-        """Hand a request's KV to the radix cache and its row back to the pool."""
-        if req.req_pool_idx is None:
-            return
-        kv_indices = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].to(torch.int64)
-        self.tree_cache.cache_finished_req(
-            req.fill_ids[: req.kv_len], kv_indices, req.last_node, len(req.prefix_indices), req.cache_salt
-        )
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx = None
 
     # ---- introspection ------------------------------------------------------
 
@@ -515,26 +522,34 @@ class Scheduler:
             "num_running_reqs": len(self.alive_reqs()),
             "num_waiting_reqs": len(self.waiting_queue) + len(self.grammar_queue),
             "num_grammar_compiling": len(self.grammar_queue),
-            "max_total_tokens": self.model_runner.max_total_tokens,
-            "free_kv_tokens": self.allocator.available_size(),
-            "cached_kv_tokens": self.tree_cache.total_size(),
-            "evictable_kv_tokens": self.tree_cache.evictable_size(),
-            "free_req_rows": self.req_to_token_pool.available_size(),
-            "total_req_rows": self.req_to_token_pool.size,
+            "max_total_tokens": self.model_info.max_total_tokens,
+            **self.kv.usage(),
             "cache_hit_rate": self.stats["num_cached_tokens"] / prompt if prompt else 0.0,
             "new_token_ratio": self.new_token_ratio,
         }
 
     def check_invariants(self) -> None:
-        """Assert that every KV slot is free, in the cache, or owned by a live request."""
-        self.allocator.check_invariants()
-        self.req_to_token_pool.check_invariants()
-        self.tree_cache.check_invariants()
-        alive = self.alive_reqs()
-        owned = sum(r.kv_len - len(r.prefix_indices) for r in alive)
-        accounted = self.allocator.available_size() + self.tree_cache.total_size() + owned
-        assert accounted == self.allocator.size, f"KV slots leaked: {accounted} != {self.allocator.size}"
-        rows = self.req_to_token_pool.available_size() + len(alive)
-        assert rows == self.req_to_token_pool.size, f"request rows leaked: {rows} != {self.req_to_token_pool.size}"
-        if not alive:
-            assert self.tree_cache.protected_size() == 0, "cache nodes still locked with no request alive"
+        """Assert that every KV slot is free, in the cache, or owned by a live request,
+        and every request row free or a live request's (`KVManager.check_invariants`)."""
+        self.kv.check_invariants(self.alive_reqs())
+
+
+def check_result_shape(batch: ScheduleBatch, result: GenerationResult) -> None:
+    """Raise RuntimeError unless `result` has a token per sampled row and a prompt-logprob
+    entry per request of `batch` (a worker bug must not desynchronise the bookkeeping)."""
+    num_sampled, num_reqs = len(batch.sample_rows), len(batch.reqs)
+    if len(result.next_token_ids) != num_sampled or len(result.logprob_infos) != num_sampled:
+        raise RuntimeError(f"worker returned {len(result.next_token_ids)} tokens for {num_sampled} sampled requests")
+    if len(result.prompt_logprobs) != num_reqs:
+        raise RuntimeError(f"worker returned {len(result.prompt_logprobs)} prompt logprob entries for {num_reqs} requests")
+
+
+def takes_next_token(req: Req, is_extend: bool) -> bool:
+    """Whether `req` samples a token in this step (decided before the step runs).
+
+    Not a chunked prompt with tokens left after this chunk, nor a request that
+    asked for no new token (it finishes once prefilled).
+    """
+    if req.sampling_params.max_new_tokens == 0:
+        return False
+    return not is_extend or req.kv_len + req.extend_input_len >= len(req.fill_ids)

@@ -1,4 +1,4 @@
-"""SchedulerOutputProcessor.apply_grammar_masks: the bitmask kept between steps is reset each step."""
+"""GrammarMasker.apply_grammar_masks (the model worker's): the bitmask kept between steps is reset each step."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 
 from arborlm.constrained.base import GrammarMatcher
-from arborlm.runtime.scheduler_output import SchedulerOutputProcessor
+from arborlm.runtime.model_worker import GrammarMasker
 
 VOCAB = 100  # 4 words per row, the last one partly padding
 
@@ -35,11 +35,11 @@ class ForbidOnly(GrammarMatcher):
         return ""
 
 
-def processor() -> SchedulerOutputProcessor:
-    return SchedulerOutputProcessor(None, (0,), VOCAB, 4096, "cpu")
+def processor() -> GrammarMasker:
+    return GrammarMasker()
 
 
-def masked(proc: SchedulerOutputProcessor, grammars: list) -> list[set[int]]:
+def masked(proc: GrammarMasker, grammars: list) -> list[set[int]]:
     """The token ids masked to -inf per row after one step with requests of these grammars."""
     logits = torch.zeros(len(grammars), VOCAB)
     proc.apply_grammar_masks([SimpleNamespace(grammar=g) for g in grammars], logits)

@@ -1,0 +1,292 @@
+"""One model step: forward pass, prompt logprobs, grammar masks and sampling.
+
+The scheduler decides what runs and keeps every request's bookkeeping; it
+hands `ModelWorker.forward_batch_generation` a `ModelWorkerBatch` (the step's
+`ForwardBatch`, its slots already allocated and written into `req_to_token`)
+and gets a `GenerationResult` back: the next token of every request that takes
+one this step, with logprobs when asked. The worker owns the `ModelRunner`
+(model and KV pools) and the sampler (SGLang's TpModelWorker; one per tensor
+parallel rank once there are several). Speculative verification will live here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+
+from arborlm.constrained.base import allocate_vocab_mask, apply_vocab_mask
+from arborlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
+from arborlm.runtime.forward_batch_info import ForwardBatch, LogitsOutput
+from arborlm.runtime.io_struct import ModelInfo
+from arborlm.runtime.model_runner import ModelRunner
+from arborlm.runtime.sampling import Sampler, SamplingBatchInfo, compute_logprobs, make_generator
+from arborlm.runtime.schedule_batch import Req
+
+# Mask fill times kept for the structured-output benchmark (one entry per constrained request and step).
+MASK_FILL_SAMPLES = 1 << 16
+
+
+@dataclass
+class LogprobInfo:
+    """Logprob of one sampled token and, when asked, its top alternatives (logprob, token id)."""
+
+    logprob: float
+    token_id: int
+    top: list[tuple[float, int]]
+
+
+class Sampled(NamedTuple):
+    """Sampler output of one step: a token per request and its `LogprobInfo` (None unless asked)."""
+
+    token_ids: list[int]
+    logprob_infos: list[LogprobInfo | None]
+
+
+@dataclass
+class PromptLogprobs:
+    """Prompt-token logprobs of one request's chunk, in prompt order.
+
+    token_logprobs: (logprob, token id) per scored prompt position; the logprob
+        is None for the first prompt token, which nothing scores.
+    top_logprobs: the top (logprob, token id) alternatives per position, None
+        when none were asked for.
+    """
+
+    token_logprobs: list[tuple[float | None, int]]
+    top_logprobs: list[list[tuple[float, int]] | None]
+
+
+@dataclass
+class ModelWorkerBatch:
+    """One step as the worker sees it.
+
+    forward_batch: the tensors; `out_cache_loc` is allocated and already in
+        `req_to_token`.
+    reqs: the step's requests in `forward_batch` row order. The worker reads
+        them and changes nothing but `generator` (created on first sampling).
+    sample_rows: indices into `reqs` of the requests that take a next token
+        this step (not a chunked prompt with tokens left, nor `max_new_tokens` 0).
+    """
+
+    forward_batch: ForwardBatch
+    reqs: list[Req]
+    sample_rows: list[int]
+
+
+@dataclass
+class GenerationResult:
+    """What one step produced.
+
+    next_token_ids: the token of each request in `sample_rows`, in that order.
+    logprob_infos: per sampled request, its `LogprobInfo` when it asked
+        (`return_logprob`), else None.
+    prompt_logprobs: per request of the batch, the logprobs of the prompt
+        tokens this step scored when it asked, else None.
+    accept_lens: reserved for speculative decoding, where a request may take
+        several tokens in one step; None means one token per sampled request.
+    """
+
+    next_token_ids: list[int]
+    logprob_infos: list[LogprobInfo | None]
+    prompt_logprobs: list[PromptLogprobs | None]
+    accept_lens: list[int] | None = None
+
+
+class Worker(Protocol):
+    """What the scheduler needs of a model worker (`ModelWorker`, or a fake in tests).
+
+    The pools are the worker's (they live where the model runs); the scheduler
+    allocates and frees in them through its `KVManager`, and the worker only
+    writes K/V at a step's `out_cache_loc`. `forward_batch_generation` raises
+    on any failure; the scheduler then aborts that step's requests alone.
+    """
+
+    model_info: ModelInfo
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: TokenToKVPool
+    token_to_kv_pool_allocator: TokenToKVPoolAllocator
+
+    def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationResult: ...
+
+
+class GrammarMasker:
+    """Masks, in the logits, every token the grammar of each constrained request forbids.
+
+    Keeps one (batch, ceil(V / 32)) int32 bitmask between steps: allocating it
+    anew each step (page faults for a large batch) cost about as much as filling it.
+    `mask_fill_seconds` holds the fill time of each constrained request at each
+    step (with its share of the bitmask reset); the structured benchmark reads it.
+    """
+
+    def __init__(self):
+        self.mask_fill_seconds: deque[float] = deque(maxlen=MASK_FILL_SAMPLES)
+        self._vocab_mask: torch.Tensor | None = None
+
+    def apply_grammar_masks(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        """Mask `logits`, (len(reqs), V) float32, in place by each request's `grammar`.
+
+        The first len(reqs) rows of the kept bitmask are reset to "all allowed"
+        and filled row by row, then applied in one call. Requests without a
+        grammar keep their row as it is.
+        """
+        rows = [i for i, req in enumerate(reqs) if req.grammar is not None]
+        if not rows:
+            return
+        start = time.perf_counter()
+        mask = self._reset_vocab_mask(len(reqs), logits.shape[-1])
+        reset_share = (time.perf_counter() - start) / len(rows)
+        # Timed per row, so one slow grammar shows at its full cost, not averaged over the batch.
+        for i in rows:
+            start = time.perf_counter()
+            reqs[i].grammar.fill_vocab_mask(mask, i)
+            self.mask_fill_seconds.append(time.perf_counter() - start + reset_share)
+        apply_vocab_mask(logits, mask, rows)
+
+    def _reset_vocab_mask(self, batch_size: int, vocab_size: int) -> torch.Tensor:
+        """The first ``batch_size`` rows of the kept bitmask, every bit set (grown when too small).
+
+        The reset matters: a matcher may write only the words it forbids, and
+        a bit left cleared by last step's request in this row must not leak.
+        The reused CPU tensor is pageable, so a ``non_blocking`` copy to the
+        GPU in `apply_vocab_mask` is staged before it returns and cannot race
+        with the next step's reset.
+        """
+        mask = self._vocab_mask
+        if mask is None or mask.shape[0] < batch_size or mask.shape[1] != (vocab_size + 31) // 32:
+            self._vocab_mask = allocate_vocab_mask(batch_size, vocab_size)
+            return self._vocab_mask
+        mask = mask[:batch_size]
+        mask.fill_(-1)
+        return mask
+
+
+class ModelWorker:
+    """Runs the model on a step's batch and samples each request's next token.
+
+    Parameters
+    ----------
+    model_runner: the loaded model and its KV pools.
+    tokenizer: for the EOS ids of `model_info`; loaded from the checkpoint when None.
+    """
+
+    def __init__(self, model_runner: ModelRunner, tokenizer=None):
+        self.model_runner = model_runner
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(model_runner.checkpoint))
+        self.tokenizer = tokenizer
+        self.model_info = model_runner.model_info(tokenizer)
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.token_to_kv_pool_allocator = model_runner.token_to_kv_pool_allocator
+        self.sampler = Sampler()
+        self.grammar_masker = GrammarMasker()
+
+    @property
+    def mask_fill_seconds(self) -> deque[float]:
+        """Grammar mask fill time per constrained request and step, seconds (see `GrammarMasker`)."""
+        return self.grammar_masker.mask_fill_seconds
+
+    def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationResult:
+        """Forward `batch`, collect prompt logprobs, mask and sample the rows that take a token.
+
+        Raises whatever the model or the sampler raises; the step's K/V may
+        then be partly written, and the scheduler frees its slots.
+        """
+        logits_output = self.model_runner.forward(batch.forward_batch)
+        prompt_logprobs = [None] * len(batch.reqs)
+        if batch.forward_batch.forward_mode.is_extend():
+            prompt_logprobs = self.collect_prompt_logprobs(batch, logits_output)
+        logits = logits_output.next_token_logits
+        if len(batch.sample_rows) != len(batch.reqs):
+            logits = logits[batch.sample_rows]
+        sampled = self.sample([batch.reqs[i] for i in batch.sample_rows], logits)
+        return GenerationResult(sampled.token_ids, sampled.logprob_infos, prompt_logprobs)
+
+    def sample(self, reqs: list[Req], logits: torch.Tensor) -> Sampled:
+        """Pick one token per request: `logits` (len(reqs), V) float32, grammar-masked in place first."""
+        if not reqs:
+            return Sampled([], [])
+        for req in reqs:
+            if req.generator is None:
+                req.generator = make_generator(req.seed, logits.device)
+        self.grammar_masker.apply_grammar_masks(reqs, logits)
+        params = [r.sampling_params for r in reqs]
+        info = SamplingBatchInfo.from_params(
+            params, [r.seed for r in reqs], self.model_info.vocab_size, logits.device, [r.generator for r in reqs]
+        )
+        return_logprob = any(r.return_logprob for r in reqs)
+        top_n = max(r.top_logprobs_num for r in reqs if r.return_logprob) if return_logprob else 0
+        out = self.sampler(
+            logits,
+            info,
+            output_ids_list=[r.output_ids for r in reqs],
+            prompt_ids_list=[r.origin_input_ids for r in reqs] if info.need_repetition_penalty else None,
+            eos_ids_list=[self._eos_ids(r) for r in reqs] if info.need_min_new_tokens else None,
+            top_logprobs_num=top_n,
+            return_logprob=return_logprob,
+        )
+        token_ids = out.next_token_ids.tolist()
+        infos: list[LogprobInfo | None] = []
+        for i, req in enumerate(reqs):
+            if not req.return_logprob:
+                infos.append(None)
+                continue
+            top: list[tuple[float, int]] = []
+            if req.top_logprobs_num and out.top_logprobs is not None:
+                k = req.top_logprobs_num
+                top = list(zip(out.top_logprobs.top_values[i, :k].tolist(), out.top_logprobs.top_ids[i, :k].tolist()))
+            infos.append(LogprobInfo(float(out.logprobs[i]), token_ids[i], top))
+        return Sampled(token_ids, infos)
+
+    def _eos_ids(self, req: Req) -> list[int]:
+        # A grammar decides itself when EOS may come; min_new_tokens must not mask the only legal token.
+        if req.sampling_params.ignore_eos or req.grammar is not None:
+            return []
+        return list(self.model_info.eos_token_ids)
+
+    def collect_prompt_logprobs(self, batch: ModelWorkerBatch, logits_output: LogitsOutput) -> list[PromptLogprobs | None]:
+        """Prompt-token logprobs of the requests that asked (`logprob_start_len` >= 0), per request.
+
+        Row j of a request's chunk in `full_logits` holds the logits at position
+        `start + j` (start: its cached prefix length), which score the token at
+        position `start + j + 1`.
+        """
+        if logits_output.full_logits is None:
+            return [None] * len(batch.reqs)
+        fb = batch.forward_batch
+        result: list[PromptLogprobs | None] = []
+        offset = 0
+        for req, start, n in zip(batch.reqs, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
+            rows = logits_output.full_logits[offset : offset + n]
+            offset += n
+            result.append(_prompt_logprobs(req, rows, start) if req.wants_prompt_logprobs() else None)
+        return result
+
+
+def _prompt_logprobs(req: Req, rows: torch.Tensor, start: int) -> PromptLogprobs:
+    """Logprobs of the prompt tokens `rows` (n, V) float32 score, the chunk starting at `start`."""
+    n = rows.shape[0]
+    prompt = req.origin_input_ids
+    out = PromptLogprobs([], [])
+    if start == 0 and req.logprob_start_len == 0:
+        out.token_logprobs.append((None, prompt[0]))
+        out.top_logprobs.append(None)
+    targets = [p for p in range(start + 1, min(start + n + 1, len(prompt))) if p >= req.logprob_start_len]
+    if not targets:
+        return out
+    idx = torch.tensor([p - 1 - start for p in targets])
+    ids = torch.tensor([prompt[p] for p in targets])
+    lp = compute_logprobs(rows[idx], ids, req.top_logprobs_num)
+    for j, p in enumerate(targets):
+        out.token_logprobs.append((float(lp.logprobs[j]), prompt[p]))
+        top = None
+        if lp.top_values is not None:
+            top = list(zip(lp.top_values[j].tolist(), lp.top_ids[j].tolist()))
+        out.top_logprobs.append(top)
+    return out
