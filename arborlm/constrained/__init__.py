@@ -1,1 +1,23 @@
-"""Grammar-constrained decoding (to be built: issue 3)."""
+"""Grammar-constrained decoding: outputs valid by construction, for JSON schema, regex, EBNF
+and structural tags (tool calls).
+
+Front (before a request is queued): `grammar_spec` turns the sampling fields
+into the request's `GrammarKey` and refuses what cannot be enforced (a 400);
+`json_schema/` prepares a JSON schema as the backend's `SchemaPolicy` asks
+and validates every finished output against the user's schema.
+
+Scheduler: `grammar_manager` compiles keys off the event loop (in
+`compile_worker` processes or on threads) and caches the compiled grammars;
+each constrained request drives a `GrammarMatcher` whose bitmask row
+`base.apply_vocab_mask` applies to the logits; `jump_forward` appends the
+tokens a grammar forces.
+
+Backends behind one interface (`base.GrammarBackend`): `xgrammar_backend`
+(the default) and `outlines_backend`; `registry` holds their names (the one
+list the config checks, importing neither torch nor a grammar library) and
+imports a backend's class on first use. `grammar_analysis` finds rules of an
+EBNF grammar that can never finish.
+
+Nothing here imports `arborlm.runtime`, `arborlm.frontend_lang` or
+`arborlm.entrypoints`.
+"""

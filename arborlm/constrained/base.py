@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from arborlm.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from arborlm.constrained.json_schema import SchemaPolicy
 
 # The kinds a request can ask for. "json_object" is any JSON value (OpenAI's json mode).
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
@@ -101,10 +104,15 @@ class GrammarBackend(abc.ABC):
     Parameters (of implementations): the Hugging Face tokenizer, the model's
     vocab size (rows of the logits, which may exceed the tokenizer's) and the
     model's EOS ids (the only tokens allowed once the grammar is complete).
+
+    A backend whose `kinds` include ``json_schema`` sets `schema_policy`: how
+    `prepare_json_schema` rewrites a user's schema for it and relaxes it in
+    lenient mode; `check` then refuses what the backend still cannot enforce.
     """
 
     name: str = ""
     kinds: tuple[str, ...] = ()
+    schema_policy: ClassVar[SchemaPolicy]
 
     def __new__(cls, *args, **kwargs):
         # The arguments are kept so that a compile worker process can build the same backend.

@@ -16,7 +16,7 @@ leaves a prefix that is not validated (see `GrammarSpec.validate_output`).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from arborlm.constrained.base import ANY_JSON, GrammarError, GrammarKey
 from arborlm.constrained.json_schema import (
@@ -36,9 +36,10 @@ class GrammarSpec:
     schema: for ``json_schema`` requests, the user's schema, against which the
         finished output is validated (None for other kinds).
     dropped: what the grammar does not enforce because of lenient mode, as
-        "keyword at /json/pointer": keywords no backend enforces (`prepare_json_schema`),
-        then, on the outlines backend, those outlines-core would enforce only in
-        part and what it writes at a fixed depth (`OutlinesBackend.relax_json_schema`).
+        "keyword at /json/pointer" (`PreparedSchema.dropped`): keywords the
+        backend's schema form cannot enforce, then what its policy relaxed (on
+        the outlines backend, keywords outlines-core would enforce only in part
+        and what it writes at a fixed depth).
     """
 
     key: GrammarKey
@@ -73,25 +74,22 @@ def grammar_spec_from_params(params: SamplingParams, backend: str) -> GrammarSpe
         The constraint does not parse, uses a schema keyword that cannot be
         enforced (unless ``json_schema_lenient``, which drops it), or
         ``backend`` cannot compile its kind or this schema even when lenient.
+    ValueError
+        ``backend`` is not a known grammar backend.
     """
-    spec = _spec(params)
+    spec = _spec(params, backend)
     if spec is None:
         return None
-    cls = backend_class(backend)
-    # A backend with refusals of its own may relax them in lenient mode (outlines: bounds, recursion).
-    relax = getattr(cls, "relax_json_schema", None)
-    if params.json_schema_lenient and relax is not None and spec.key.kind == "json_schema":
-        key, relaxed = relax(spec.key)
-        spec = replace(spec, key=key, dropped=spec.dropped + relaxed)
-    cls.check(spec.key)
+    backend_class(backend).check(spec.key)
     return spec
 
 
-def _spec(params: SamplingParams) -> GrammarSpec | None:
+def _spec(params: SamplingParams, backend: str) -> GrammarSpec | None:
     if params.json_schema is not None:
         if params.json_schema == ANY_JSON:
             return GrammarSpec(GrammarKey("json_object", ""))
-        prepared = prepare_json_schema(params.json_schema, lenient=params.json_schema_lenient)
+        policy = backend_class(backend).schema_policy
+        prepared = prepare_json_schema(params.json_schema, lenient=params.json_schema_lenient, policy=policy)
         return GrammarSpec(GrammarKey("json_schema", prepared.text), prepared, tuple(prepared.dropped))
     if params.regex is not None:
         return GrammarSpec(GrammarKey("regex", params.regex))

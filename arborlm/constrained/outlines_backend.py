@@ -31,10 +31,11 @@ Four things are done here rather than by outlines-core (version 0.2.14):
   `GrammarError`: a recursive ``$ref`` (outlines unrolls it to a fixed depth),
   a free-form JSON value (a regex nested to a fixed depth, minutes to
   compile), and the keywords and keyword combinations it silently drops
-  (see `check_schema`). arborlm never under-constrains without saying so.
-  In lenient mode (``json_schema_lenient``) `OutlinesBackend.relax_json_schema`
-  drops those keywords instead and lets recursion and free-form objects and
-  arrays through at outlines-core's fixed depth, listing each in the request's
+  (see `check_for_outlines`). arborlm never under-constrains without saying so.
+  In lenient mode (``json_schema_lenient``) the backend's schema policy
+  (`OUTLINES_POLICY`, whose ``relax`` is `relax_for_outlines`) drops those
+  keywords instead and lets recursion and free-form objects and arrays
+  through at outlines-core's fixed depth, listing each in the request's
   ``dropped``; the finished output is still validated against the whole
   schema. What outlines-core cannot run right at all stays refused: any JSON
   value (minutes to compile), several ``allOf`` subschemas, a ``required``
@@ -65,11 +66,7 @@ from arborlm.constrained.base import (
     GrammarKey,
     GrammarMatcher,
 )
-from arborlm.constrained.json_schema.outlines import (
-    SchemaChecker,
-    check_schema,
-    drop_partial_keywords,
-)
+from arborlm.constrained.json_schema import LENIENT_MARK, OUTLINES_POLICY, check_for_outlines
 
 # What JSON may put between its tokens (outlines-core's ``whitespace_pattern``).
 JSON_WHITESPACE = r"[ ]?"
@@ -83,8 +80,6 @@ _END_MARK = "\U0010ffff"
 _END_MARK_REGEX = r"\x{10FFFF}"
 _END_MARK_LEAD_BYTE = 0xF4
 
-# Top-level key of a schema relaxed by `OutlinesBackend.relax_json_schema` (removed before outlines-core reads it).
-LENIENT_MARK = "x-arborlm-lenient"
 # ASCII meanings of the shorthand classes (ECMAScript's, as in JSON Schema and xgrammar);
 # Rust's regex, which outlines-core uses, makes them Unicode-wide. Rust allows nested classes.
 _ASCII_SHORTHANDS = {"d": "[0-9]", "D": "[^0-9]", "w": "[0-9A-Za-z_]", "W": "[^0-9A-Za-z_]"}
@@ -255,6 +250,7 @@ class OutlinesBackend(GrammarBackend):
 
     name = "outlines"
     kinds = ("regex", "json_schema")
+    schema_policy = OUTLINES_POLICY
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
         if not eos_token_ids:
@@ -320,42 +316,6 @@ class OutlinesBackend(GrammarBackend):
         """The grammar of a `compile_serialized` ``Index`` (built over the same vocabulary)."""
         return OutlinesGrammar(payload, self)
 
-    @classmethod
-    def relax_json_schema(cls, key: GrammarKey) -> tuple[GrammarKey, tuple[str, ...]]:
-        """Lenient mode: the key of ``key``'s schema with what outlines-core would enforce only in part relaxed.
-
-        Dropped: the keywords outlines-core ignores (`outlines_schema._IGNORED_KEYWORDS`:
-        bounds, ``uniqueItems``, ``not``, ...), the string rules beside the one
-        it applies (a pattern is kept over lengths, lengths over a format), and
-        ``minItems``/``maxItems`` beside ``prefixItems``. Let through, at
-        outlines-core's fixed depth: recursive ``$ref`` s and objects without
-        properties or arrays without items (the schema is marked with
-        `LENIENT_MARK`, which `compile` reads). Each is listed as
-        ``"keyword at /json/pointer"`` (with the reason for what is let
-        through). Other keys come back unchanged.
-
-        Raises
-        ------
-        GrammarError
-            What stays refused (see `check`), or a schema that is not JSON.
-        """
-        if key.kind != "json_schema" or key.text == ANY_JSON:
-            return key, ()
-        try:
-            schema = json.loads(key.text)
-        except ValueError as e:
-            raise GrammarError(f"json_schema is not valid JSON: {e}", key.param) from e
-        if not isinstance(schema, dict):
-            return key, ()
-        relaxed: list[str] = []
-        drop_partial_keywords(schema, "", relaxed)
-        checker = SchemaChecker(schema, lenient=True)
-        checker.visit(schema, "$", ("",), "")
-        relaxed += checker.relaxed
-        if not relaxed:
-            return key, ()
-        return GrammarKey(key.kind, json.dumps({**schema, LENIENT_MARK: True})), tuple(relaxed)
-
 
 def _regex_of(key: GrammarKey) -> str:
     """The regex ``key`` stands for (a full match; ``^``/``$`` around a regex are dropped).
@@ -363,7 +323,7 @@ def _regex_of(key: GrammarKey) -> str:
     Raises
     ------
     GrammarError
-        The schema is not JSON, is refused by `check_schema`, or outlines-core cannot convert it.
+        The schema is not JSON, is refused by `check_for_outlines`, or outlines-core cannot convert it.
     """
     if key.kind == "regex":
         return re.sub(r"(?<!\\)((?:\\\\)*)\$\Z", r"\1", key.text.removeprefix("^"))
@@ -375,7 +335,7 @@ def _regex_of(key: GrammarKey) -> str:
     if not isinstance(schema, dict):
         raise GrammarError("the outlines grammar backend needs a JSON schema that is an object", key.param)
     lenient = schema.pop(LENIENT_MARK, False) is True
-    check_schema(schema, lenient)
+    check_for_outlines(schema, lenient)
     if lenient:
         text = json.dumps(schema)
     try:

@@ -5,6 +5,10 @@ request is queued; the grammar worker thread calls `compile`; the scheduler
 drives one `XGrammarMatcher` per constrained request (fill its bitmask row,
 accept the sampled token, jump forward).
 
+A JSON schema arrives as its schema policy (`XGRAMMAR_POLICY`) wrote it:
+normalised and lowered to the subset xgrammar enforces (`json_schema.lower`
+lists what xgrammar 0.2.9 enforces and ignores).
+
 JSON is generated with fixed separators (``", "`` and ``": "``, one line, as
 ``json.dumps`` writes it) so that a weak model cannot stall in free whitespace;
 JSON inside structural tags gets at most `TAG_MAX_WHITESPACE` whitespace
@@ -39,6 +43,7 @@ from arborlm.constrained.base import (
     GrammarMatcher,
 )
 from arborlm.constrained.grammar_analysis import UnknownGrammarSyntax, unproductive_reachable_rules
+from arborlm.constrained.json_schema import XGRAMMAR_POLICY
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +164,7 @@ class XGrammarBackend(GrammarBackend):
 
     name = "xgrammar"
     kinds = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
+    schema_policy = XGRAMMAR_POLICY
 
     # Large compiled grammars serialize slowly (884 MB of JSON for one WashingtonPost schema),
     # so a worker would ship them only by compiling twice; by default compile once on a thread.

@@ -1,6 +1,6 @@
 """prepare_json_schema / validate_json_output: normalisations keep the meaning, refusals name
 keyword and path, lenient mode drops, outputs are validated; and the xgrammar 0.2.9 behaviour
-the module relies on, measured with GrammarMatcher.accept_string."""
+the lowering (`json_schema.lower`) relies on, measured with GrammarMatcher.accept_string."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def assert_walks_valid(prepared: PreparedSchema, count: int = 6, **kw) -> None:
     """Every finished random output of the grammar satisfies the original schema.
 
     Duplicate object keys are skipped: no grammar can forbid them, and the
-    final validation rejects them (see the module docstring).
+    final validation rejects them (see the `json_schema` package docstring).
     """
     for text in grammar_walks(prepared.text, count, **kw):
         message = validate_json_output(prepared, text)
@@ -394,8 +394,8 @@ def test_validate_uses_the_schema_dialect():
 
 
 # ---------------------------------------------------------------------------
-# What xgrammar 0.2.9 does (the module docstring's table): (schema, text, accepted).
-# A change here means xgrammar changed and json_schema.py's refusals and
+# What xgrammar 0.2.9 does (the table in `json_schema.lower`'s docstring): (schema, text, accepted).
+# A change here means xgrammar changed and the lowering's refusals and
 # rewrites should be revisited.
 
 XGRAMMAR_FACTS = [

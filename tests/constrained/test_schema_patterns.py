@@ -1,4 +1,4 @@
-"""schema_patterns.separator_first_repeat: an exact rewrite xgrammar fills masks for quickly."""
+"""json_schema.patterns.separator_first_repeat: an exact rewrite xgrammar fills masks for quickly."""
 
 from __future__ import annotations
 

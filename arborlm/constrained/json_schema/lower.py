@@ -1,21 +1,126 @@
-"""Phase B of the JSON schema normaliser, lowering: maps a phase A schema to what
-xgrammar compiles and enforces, refusing (or, when lenient, dropping) what it would
-silently ignore.
+"""Phase B of JSON-schema preparation, lowering: maps the phase A schema
+(`normalise`) to what xgrammar 0.2.9 compiles and enforces, recording what it
+would silently ignore as problems (refused, or when lenient dropped, by
+`prepare_json_schema`).
+
+`lower_document` lowers the whole document; each pass is a `SchemaLowering`.
+Runs for a backend whose `SchemaPolicy` asks for the xgrammar form.
+
+What changes, keeping the meaning: ``enum``/``const`` keep only the values
+the rest of their schema accepts; a name in ``required`` but not in
+``properties`` gets a ``properties`` entry; ``false`` subschemas are
+removed (a forbidden property is dropped and kept out of the patterns and
+additionalProperties that would admit it, an unreachable item position
+lowers ``maxItems``, a false branch goes, a type no value can have is
+removed); integer bounds are rounded; ``pattern`` goes from JSON Schema's
+search semantics to xgrammar's full match (``abc`` → ``^.*abc.*$``);
+``(...)?`` is written ``(...){0,1}``; ``minLength``/``maxLength`` beside
+a pattern are dropped when the pattern implies them, or folded into a
+pattern of one repeated atom (``^[a-z]+$`` → ``^[a-z]{1,64}$``);
+``format`` beside a pattern or lengths is dropped (it is an annotation);
+a key pattern that also matches a listed property with another schema is
+rewritten to exclude that name (a trie of the names, for the pattern shapes
+``^.*$``, ``^prefix.*$`` and ``^[class]*$``); ``propertyNames`` with a
+pattern beside ``properties`` and ``additionalProperties`` becomes such a
+key pattern.
+
+Narrowing steps (outputs stay valid for the user; some valid values can no
+longer be generated): an untyped schema with type-specific keywords gets
+the types those keywords belong to (xgrammar does so itself for objects
+and arrays); a ``number`` with an integral ``multipleOf`` becomes an
+``integer``; integer bounds are clamped to int64; a pattern with a
+``maxLength`` it does not imply has every unbounded repeat capped (at
+least `MIN_REPEAT_CAP`) so the longest match fits; ``.`` never matches a
+newline; an unset additionalProperties becomes false where a forbidden
+property is dropped.
+
+Recorded as problems: ``multipleOf`` that is fractional or beside an
+unsupported range; ``minLength``/``maxLength`` beside a pattern that cannot
+take them; a pattern with lookaround, inline flags or a construct xgrammar
+cannot compile; ``patternProperties`` with different schemas for several
+patterns, or that must leave out names and have no supported shape;
+``additionalProperties`` beside patterns that do not cover every key;
+``propertyNames`` beside ``patternProperties``. A schema that accepts no
+value is an error even when lenient.
+
+xgrammar 0.2.9, measured
+------------------------
+``Grammar.from_json_schema(s, any_whitespace=False, strict_mode=True)`` and
+``GrammarMatcher.accept_string`` on violating and satisfying strings
+("ignored": a violating string is accepted; "error": compiling raises).
+tests/constrained/test_json_schema.py pins these facts.
+
+=====================================  ==========================================================
+keyword                                xgrammar 0.2.9
+=====================================  ==========================================================
+type (one or a list), enum, const      enforced; ``enum``/``const`` ignore every sibling
+properties, required,                  enforced; a ``required`` name not in ``properties`` is
+additionalProperties                   ignored; with ``properties`` listed, unset
+                                       additionalProperties means false (strict mode); additional
+                                       keys exclude the listed names
+patternProperties                      enforced as a full match, but a key may take a pattern's
+                                       schema although it is listed in ``properties``, a key
+                                       matching two patterns gets either schema, and beside
+                                       listed properties additionalProperties may take a key
+                                       that matches a pattern
+propertyNames                          enforced alone; ignored beside patternProperties; admits
+                                       the names it matches despite ``additionalProperties:
+                                       false``; lets listed names take the additionalProperties
+                                       schema
+min/maxProperties                      enforced; ``minProperties`` above the listed properties
+                                       without additionalProperties is an error
+unevaluatedProperties/Items (simple)   enforced like additionalProperties / items
+prefixItems, items, min/maxItems       enforced; a draft-4 ``items`` array is an error; no
+                                       ``items`` allows only ``[]`` (strict mode); maxItems below
+                                       the prefixItems is an error
+minimum, maximum, exclusive*           enforced; ignored on an untyped schema; integer bounds
+                                       beyond int64 or fractional, boolean exclusive* and empty
+                                       ranges are errors
+multipleOf                             enforced on integers without bounds or with both bounds
+                                       less than 10000 apart; ignored (warning) with one bound, a
+                                       wider span, or on ``number``
+minLength/maxLength                    enforced; ignored (warning) beside pattern or format
+pattern                                enforced as a full match; ``(...)?`` is mis-compiled
+                                       (``^(a.*)?$`` accepts "b"); lookahead ignored (warning);
+                                       backreferences, lookbehind, ``\\b``, ``\\p{..}`` are
+                                       errors; ignored beside format
+format                                 date-time, date, time, email, uuid, ipv4, ipv6, uri,
+                                       hostname, duration... enforced (narrower); others ignored
+anyOf                                  enforced; keywords beside it ignored
+oneOf                                  enforced as anyOf (warning when branches may overlap)
+allOf                                  one branch enforced; several: any value (warning);
+                                       keywords beside it ignored
+$ref                                   ``#`` and ``#/...`` pointers enforced, recursion works;
+                                       keywords beside it ignored; anchors and ``$id`` URIs:
+                                       any value (warning)
+not, if/then/else, uniqueItems,        ignored
+contains, maxContains,
+dependentRequired, dependentSchemas,
+dependencies
+false (anywhere), empty enum           error
+=====================================  ==========================================================
 """
 
 from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from typing import Any
 
+from jsonschema import validators as js_validators
+
+from arborlm.constrained.base import GrammarError
 from arborlm.constrained.json_schema.merge import SchemaMerge
 from arborlm.constrained.json_schema.nodes import (
     DEFS_PREFIX,
     FAMILY_KEYWORDS,
     INT64_MAX,
     INT64_MIN,
+    PARAM,
     XGRAMMAR_MULTIPLE_OF_SPAN,
+    Problem,
+    Problems,
     Schema,
     canon,
     escape_pointer,
@@ -24,6 +129,7 @@ from arborlm.constrained.json_schema.nodes import (
     type_set,
     upper_bound,
 )
+from arborlm.constrained.json_schema.normalise import Normaliser
 from arborlm.constrained.json_schema.patterns import (
     exclude_words,
     full_match_pattern,
@@ -38,6 +144,49 @@ from arborlm.constrained.json_schema.patterns import (
 from arborlm.constrained.json_schema.values import mutually_exclusive
 
 
+@dataclass(frozen=True)
+class Lowered:
+    """The document xgrammar compiles, and the `Problem`s of the lowering pass that made it."""
+
+    doc: dict
+    problems: list[Problem]
+
+
+def lower_document(root_a: Schema, normaliser: Normaliser) -> Lowered:
+    """Phase B of a whole document: its root (``root_a``, from `Normaliser.run`) and every def it reaches.
+
+    A pass lowers the root, then each ``$defs`` entry it reaches; a def that
+    lowers to False makes the references to it False, so passes rerun until
+    the set of such defs stops growing. The problems are the last pass's (the
+    merges a pass makes record theirs in ``normaliser.problems``).
+
+    Raises
+    ------
+    GrammarError
+        The schema accepts no value.
+    """
+    doc_a = dict(root_a) if isinstance(root_a, dict) else {}
+    doc_a["$defs"] = normaliser.defs_a  # the live table: merges during phase B may add entries
+    checker = js_validators.Draft202012Validator(doc_a)
+    false_defs: set[str] = set()
+    while True:
+        lowering = SchemaLowering(normaliser.merger, checker, false_defs)
+        root_b = lowering.lower(root_a, "")
+        while lowering.pending:
+            name = lowering.pending.pop()
+            lowering.defs[name] = lowering.lower(normaliser.defs_a[name], normaliser.def_path(name))
+        newly_false = {n for n, s in lowering.defs.items() if s is False} - false_defs
+        if not newly_false:
+            break
+        false_defs |= newly_false
+    if root_b is False:
+        raise GrammarError("json_schema accepts no value (its constraints contradict each other)", PARAM)
+    doc = dict(root_b)
+    if lowering.defs:
+        doc["$defs"] = {name: lowering.defs[name] for name in sorted(lowering.defs)}
+    return Lowered(doc, lowering.problems.items)
+
+
 class SchemaLowering:
     """One pass of phase B: lowers phase A schemas to what xgrammar compiles.
 
@@ -46,8 +195,7 @@ class SchemaLowering:
     false_defs: names of the ``$defs`` known to accept nothing (lowered to False).
 
     `defs` collects the lowered ``$defs`` a pass reached, `pending` the names still
-    to lower, `problems` the (keyword, path, reason) it could not enforce. It never
-    mutates phase A's nodes.
+    to lower, `problems` what it could not enforce. It never mutates phase A's nodes.
     """
 
     def __init__(self, merger: SchemaMerge, checker: Any, false_defs: set[str]):
@@ -56,11 +204,7 @@ class SchemaLowering:
         self.false_defs = false_defs
         self.defs: dict[str, Schema] = {}
         self.pending: list[str] = []
-        self.problems: list[tuple[str, str, str]] = []
-
-    def problem(self, keyword: str, path: str, reason: str) -> None:
-        """Record a keyword this pass cannot enforce."""
-        self.problems.append((keyword, path, reason))
+        self.problems = Problems()
 
     # -- phase B: lowering ---------------------------------------------------
 
@@ -129,7 +273,7 @@ class SchemaLowering:
             if float(step).is_integer():
                 t = "integer"  # narrower: multiples of an integer that are not integers are lost
             else:
-                self.problem("multipleOf", path, "xgrammar enforces multipleOf on integers only")
+                self.problems.add("multipleOf", path, "xgrammar enforces multipleOf on integers only")
                 step = None
         if t == "number":
             if lower is not None and upper is not None:
@@ -147,11 +291,11 @@ class SchemaLowering:
         if step is None:
             return t
         if not float(step).is_integer():
-            self.problem("multipleOf", path, "a fractional multipleOf on integers")
+            self.problems.add("multipleOf", path, "a fractional multipleOf on integers")
         elif int(step) != 1:
             if (low is None) != (high is None) or (low is not None and high - low >= XGRAMMAR_MULTIPLE_OF_SPAN):
-                self.problem("multipleOf", path, "xgrammar ignores multipleOf with one bound or with a span "
-                                                 f"of {XGRAMMAR_MULTIPLE_OF_SPAN} or more")
+                self.problems.add("multipleOf", path, "xgrammar ignores multipleOf with one bound or with a span "
+                                                      f"of {XGRAMMAR_MULTIPLE_OF_SPAN} or more")
             else:
                 out["multipleOf"] = int(step)
         return t
@@ -170,8 +314,8 @@ class SchemaLowering:
                 if combined == "":
                     return False
                 if combined is None:
-                    self.problem("minLength" if min_length > 0 else "maxLength", path,
-                                 f"xgrammar ignores string lengths beside a pattern ({pattern!r})")
+                    self.problems.add("minLength" if min_length > 0 else "maxLength", path,
+                                      f"xgrammar ignores string lengths beside a pattern ({pattern!r})")
                 else:
                     pattern = combined
                 min_length, max_length = 0, None
@@ -189,14 +333,14 @@ class SchemaLowering:
         if is_vacuous(pattern):
             return None
         if re.match(r"\(\?[a-zA-Z]+\)", pattern):
-            self.problem("pattern", path, f"inline flags in {pattern!r} are not ECMA-262 syntax")
+            self.problems.add("pattern", path, f"inline flags in {pattern!r} are not ECMA-262 syntax")
             return None
         if has_lookaround(pattern):
-            self.problem("pattern", path, f"lookaround in {pattern!r} is not supported")
+            self.problems.add("pattern", path, f"lookaround in {pattern!r} is not supported")
             pattern = strip_lookarounds(pattern)
         error = xgrammar_regex_error(full_match_pattern(pattern))
         if error is not None:
-            self.problem("pattern", path, f"{pattern!r}: {error}")
+            self.problems.add("pattern", path, f"{pattern!r}: {error}")
             return None
         return pattern
 
@@ -292,8 +436,8 @@ class SchemaLowering:
             return additional, patterns
         if len(patterns) > 1 or additional not in (None, False):
             for p in false:
-                self.problem("patternProperties", f"{path}/patternProperties/{escape_pointer(p)}",
-                             "properties matching it must be absent, but other keywords admit them")
+                self.problems.add("patternProperties", f"{path}/patternProperties/{escape_pointer(p)}",
+                                  "properties matching it must be absent, but other keywords admit them")
         elif additional is None:
             additional = False  # narrower: unmatched names were allowed
         return additional, {p: s for p, s in patterns.items() if s is not False}
@@ -315,8 +459,8 @@ class SchemaLowering:
             if any(full_match_pattern(p) == "^.*$" or is_vacuous(p) for p in patterns):
                 additional = None  # every key matches a pattern: none is left for it
             else:
-                self.problem("additionalProperties", path, "beside patternProperties, xgrammar may give "
-                             "a key that matches a pattern the additionalProperties schema")
+                self.problems.add("additionalProperties", path, "beside patternProperties, xgrammar may give "
+                                  "a key that matches a pattern the additionalProperties schema")
         open_names = [n for n in forbidden if not any(pattern_search(p, n) for p in patterns)]
         if open_names and additional is None and (listed or patterns):
             additional = False  # xgrammar's strict mode admits no unlisted name there anyway
@@ -325,8 +469,8 @@ class SchemaLowering:
             additional = False
         elif open_names and additional is not False:
             if patterns:
-                self.problem("properties", path, f"properties {open_names} must be absent, but "
-                                                 "additionalProperties admits them")
+                self.problems.add("properties", path, f"properties {open_names} must be absent, but "
+                                                      "additionalProperties admits them")
             else:  # the additional keys become a pattern that leaves out the forbidden (and listed) names
                 patterns = {exclude_words(".*", open_names + list(listed)): additional}
                 additional = False
@@ -344,15 +488,15 @@ class SchemaLowering:
             if by_pattern[p]:
                 narrowed = exclude_words(full, by_pattern[p])
                 if narrowed is None:
-                    self.problem("patternProperties", f"{path}/patternProperties/{escape_pointer(p)}",
-                                 f"it matches properties {by_pattern[p]} that must keep their own schema "
-                                 "(or be absent), and the grammar cannot exclude them from this pattern")
+                    self.problems.add("patternProperties", f"{path}/patternProperties/{escape_pointer(p)}",
+                                      f"it matches properties {by_pattern[p]} that must keep their own schema "
+                                      "(or be absent), and the grammar cannot exclude them from this pattern")
                 else:
                     full = narrowed
             kept[full] = schema
         if len({canon(s) for s in kept.values()}) > 1:
-            self.problem("patternProperties", path, "several patterns with different schemas: xgrammar checks "
-                                                    "a key against one of them")
+            self.problems.add("patternProperties", path, "several patterns with different schemas: xgrammar checks "
+                                                         "a key against one of them")
         return additional, kept
 
     def _lower_property_names(self, listed: dict, property_names: dict, additional: Schema | None,
@@ -361,14 +505,14 @@ class SchemaLowering:
         the additionalProperties schema when propertyNames is given; so propertyNames with a
         pattern becomes a pattern of its own that leaves out the listed names."""
         if patterns:
-            self.problem("propertyNames", path, "xgrammar ignores propertyNames beside patternProperties")
+            self.problems.add("propertyNames", path, "xgrammar ignores propertyNames beside patternProperties")
             return additional, patterns, {}
         if not listed or additional is None:
             return additional, patterns, property_names
         own = {k: v for k, v in property_names.items() if k != "type"}
         narrowed = exclude_words(own["pattern"], list(listed)) if set(own) == {"pattern"} else None
         if narrowed is None:
-            self.problem("propertyNames", path, "beside properties and additionalProperties, xgrammar would let "
-                                                "a listed property take the additionalProperties schema")
+            self.problems.add("propertyNames", path, "beside properties and additionalProperties, xgrammar would let "
+                                                     "a listed property take the additionalProperties schema")
             return additional, patterns, property_names
         return False, {narrowed: additional}, {}

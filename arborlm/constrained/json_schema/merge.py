@@ -1,15 +1,20 @@
-"""Phase A of the JSON schema normaliser, conjunction: the phase A form of an
+"""Phase A of JSON-schema preparation, conjunction: the phase A form of an
 `allOf` of phase A schemas (`SchemaMerge.merge`), distributing sibling keywords
 over `anyOf`/`oneOf` and intersecting keyword by keyword.
+
+`normalise` merges while it reads the user's schema, and `lower` merges the
+schemas a property name falls under; parts that hold a ``$ref`` go back to the
+`References` (the normaliser), which unfolds or defers them.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from typing import Protocol
 
 from arborlm.constrained.json_schema.nodes import (
     MAX_BRANCHES,
+    Problems,
     Schema,
     canon,
     intersect_types,
@@ -23,17 +28,25 @@ from arborlm.constrained.json_schema.patterns import pattern_search
 from arborlm.constrained.json_schema.values import json_intersection
 
 
+class References(Protocol):
+    """What `SchemaMerge` asks about ``$ref``s: the document's hoisted ``$defs`` (`Normaliser`)."""
+
+    def merge_refs(self, flat: list[dict], path: str) -> Schema:
+        """The conjunction of ``flat``, some of which are (or hold) a ``$ref``; may add a ``$defs`` entry."""
+        ...
+
+
 class SchemaMerge:
     """Phase A conjunction: `merge` of phase A schemas.
 
-    problem: records a keyword that cannot be enforced, (keyword, path, reason).
-    merge_refs: conjoins parts that hold `$ref`s (the normaliser's, which may
-        defer them into new ``$defs`` entries).
+    problems: where a keyword that cannot be enforced is recorded.
+    refs: conjoins parts that hold ``$ref``s (the normaliser, which may defer
+        them into new ``$defs`` entries).
     """
 
-    def __init__(self, problem: Callable[[str, str, str], None], merge_refs: Callable[[list[dict], str], Schema]):
-        self.problem = problem
-        self.merge_refs = merge_refs
+    def __init__(self, problems: Problems, refs: References):
+        self.problems = problems
+        self.refs = refs
 
     # -- phase A: conjunction ------------------------------------------------
 
@@ -50,7 +63,7 @@ class SchemaMerge:
         if len(flat) == 1 and not mixed(flat[0]):
             return flat[0]
         if any("$ref" in p for p in flat):
-            return self.merge_refs(flat, path)
+            return self.refs.merge_refs(flat, path)
         expanded = flat
         combinators = [i for i, p in enumerate(expanded) if "anyOf" in p or "oneOf" in p]
         if combinators:
@@ -68,8 +81,8 @@ class SchemaMerge:
             p = parts[i]
             count = len(p.get("anyOf", ())) or len(p.get("oneOf", ()))
             if size * count > MAX_BRANCHES:
-                self.problem("anyOf" if "anyOf" in p else "oneOf", path,
-                             f"more than {MAX_BRANCHES} branches after distributing the keywords beside it")
+                self.problems.add("anyOf" if "anyOf" in p else "oneOf", path,
+                                  f"more than {MAX_BRANCHES} branches after distributing the keywords beside it")
                 parts = parts[:i] + [{k: v for k, v in p.items() if k not in ("anyOf", "oneOf")}] + parts[i + 1 :]
                 return self.merge(parts, path)
             size *= count
@@ -83,6 +96,8 @@ class SchemaMerge:
         return self.combine(key, [self.merge([rest, b], path) for b in p[key]], path)
 
     def combine(self, key: str, branches: list[Schema], path: str) -> Schema:
+        """``{key: branches}`` (``key``: "anyOf" or "oneOf") simplified: false branches go, nested
+        anyOfs flatten, a ``{}`` branch makes an anyOf ``{}``, repeats go; False when none is left."""
         out: list[Schema] = []
         for b in branches:
             if b is False:
@@ -129,7 +144,7 @@ class SchemaMerge:
         if "pattern" in a or "pattern" in b:
             out["pattern"] = a.get("pattern", b.get("pattern"))
             if "pattern" in a and "pattern" in b and a["pattern"] != b["pattern"]:
-                self.problem("pattern", path, "two different patterns on one string cannot be combined")
+                self.problems.add("pattern", path, "two different patterns on one string cannot be combined")
         if "format" in a or "format" in b:
             if a.get("format", b.get("format")) == b.get("format", a.get("format")):
                 out["format"] = a.get("format", b.get("format"))
@@ -146,7 +161,7 @@ class SchemaMerge:
             return y
         if isinstance(x, int) and isinstance(y, int):
             return x * y // math.gcd(x, y)
-        self.problem("multipleOf", path, "two multipleOf values cannot be combined")
+        self.problems.add("multipleOf", path, "two multipleOf values cannot be combined")
         return x
 
     def _conjoin_arrays(self, a: dict, b: dict, out: dict, path: str) -> None:
@@ -186,8 +201,8 @@ class SchemaMerge:
         if pp_a.keys() == pp_b.keys():
             return {p: self.merge([pp_a[p], pp_b[p]], path) for p in pp_a}
         if add_a != {} or add_b != {}:
-            self.problem("patternProperties", path, "two sets of patternProperties beside additionalProperties "
-                                                    "cannot be combined")
+            self.problems.add("patternProperties", path, "two sets of patternProperties beside additionalProperties "
+                                                         "cannot be combined")
         merged = dict(pp_a)
         for p, s in pp_b.items():
             merged[p] = self.merge([merged[p], s], path) if p in merged else s

@@ -1,15 +1,17 @@
-"""Shared vocabulary of the JSON schema normaliser: the normalised `Schema`, limits,
-keyword families, and helpers on types, numeric bounds and JSON pointers.
+"""Shared vocabulary of JSON-schema preparation: the normalised `Schema`, the
+`Problem`s a phase records, a backend's `Relaxed` schema, limits, keyword
+families, and helpers on types, numeric bounds and JSON pointers.
 
-Used by `schema_normaliser` (phase A reading), `schema_merge` (phase A
-conjunction) and `schema_lowering` (phase B); see `json_schema` for the design.
+Used by `normalise` (phase A reading), `merge` (phase A conjunction), `lower`
+(phase B) and `prepare`; see the package docstring for the design.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from jsonschema import validators as js_validators
 
@@ -44,6 +46,53 @@ DEFS_PREFIX = "#/$defs/"
 
 def canon(value: Any) -> str:
     return json.dumps(value, sort_keys=True)
+
+
+# ---------------------------------------------------------------------------
+# What a phase could not enforce, and what a backend relaxed
+
+
+class Problem(NamedTuple):
+    """A keyword the grammar cannot enforce: the keyword, its JSON pointer ("" is the root), and why."""
+
+    keyword: str
+    path: str
+    reason: str
+
+
+class Problems:
+    """The `Problem`s one phase records, in the order it finds them (`items`)."""
+
+    def __init__(self) -> None:
+        self.items: list[Problem] = []
+
+    def add(self, keyword: str, path: str, reason: str) -> None:
+        """Record that ``keyword`` at ``path`` cannot be enforced, and why."""
+        self.items.append(Problem(keyword, path, reason))
+
+
+def first_of_each(problems: Iterable[Problem]) -> list[Problem]:
+    """``problems`` keeping the first of each (keyword, path): phases and reruns may repeat one."""
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for problem in problems:
+        if problem[:2] not in seen:
+            seen.add(problem[:2])
+            out.append(problem)
+    return out
+
+
+@dataclass(frozen=True)
+class Relaxed:
+    """A schema a backend relaxed for lenient mode (`SchemaPolicy.relax`).
+
+    schema: the schema to compile (used only when ``dropped`` is not empty).
+    dropped: what the relaxation left out or let through, as ``"keyword at /json/pointer"``
+        (with the reason for what is let through).
+    """
+
+    schema: dict
+    dropped: tuple[str, ...] = ()
 
 
 # ---------------------------------------------------------------------------

@@ -1,6 +1,39 @@
-"""The JSON schema normaliser (see the `json_schema` module docstring, steps 2-4):
-its driver and phase A reading, which maps each keyword of the user's schema to a
-2020-12 form; conjunction lives in `schema_merge`, lowering in `schema_lowering`.
+"""Phase A of JSON-schema preparation, normalising: the user's schema, of any
+draft, becomes an equivalent 2020-12 schema of a few simple shapes that
+`lower` then maps to what the grammar compiles.
+
+`Normaliser.run` reads the schema keyword by keyword (`Normaliser.node`);
+conjunctions are `merge`'s (`SchemaMerge`), and references are resolved and
+hoisted here. Runs in the front, inside `prepare_json_schema`, for a backend
+whose `SchemaPolicy` asks for the xgrammar form.
+
+What changes, keeping the meaning: keywords the dialect's validator ignores
+are dropped (annotations such as ``title``, ``description``, ``default``,
+``examples``, ``$comment``, ``deprecated``, ``readOnly``; unknown keywords;
+siblings of ``$ref`` up to draft 7); draft-4/7 forms become 2020-12 ones
+(``items`` arrays → ``prefixItems``, boolean exclusive bounds → numeric,
+``dependencies`` → dependent required/schemas, ``const`` → ``enum``); every
+``$ref`` is resolved (``$id``, anchors and JSON pointers, with
+``referencing``, as ``jsonschema`` does) and its target hoisted into the root
+``$defs``, so recursive schemas stay recursive; ``allOf`` branches and the
+siblings of a ``$ref`` are merged into one schema (types intersect, bounds
+tighten, ``properties`` merge recursively, ``required`` unions, a property one
+side lists and the other leaves to ``patternProperties``/``additionalProperties``
+gets both schemas; a recursive reference merged with other keywords becomes a
+new ``$defs`` entry); keywords beside ``anyOf``/``oneOf`` are distributed into
+every branch (A ∧ (B ∨ C) = (A ∧ B) ∨ (A ∧ C), and the same for ``oneOf``);
+``not`` of ``{}``, of a ``type`` or of ``required`` becomes a positive schema;
+each dependency becomes an ``anyOf`` ("trigger absent" or "trigger present and
+its requirement holds").
+
+Recorded as problems (refused unless lenient): ``not`` other than of ``{}``,
+a type or ``required``; ``if``; ``contains`` (and ``minContains``/``maxContains``);
+``uniqueItems: true`` (unless at most one item); ``unevaluated*`` beside
+in-place applicators; ``$dynamicRef``/``$recursiveRef``; more than
+`MAX_BRANCHES` branches after distribution; two different ``pattern``s or
+``multipleOf``s that cannot be combined. A ``$ref`` that cannot be resolved
+inside the document and a cycle of bare references are errors even when
+lenient.
 """
 
 from __future__ import annotations
@@ -9,18 +42,17 @@ import re
 from typing import Any
 
 import referencing.jsonschema
-from jsonschema import validators as js_validators
 from referencing import Registry
 from referencing.exceptions import Unresolvable
 
 from arborlm.constrained.base import GrammarError
-from arborlm.constrained.json_schema.lower import SchemaLowering
 from arborlm.constrained.json_schema.merge import SchemaMerge
 from arborlm.constrained.json_schema.nodes import (
     DEFS_PREFIX,
     DRAFT_YEAR,
     PARAM,
     TYPES,
+    Problems,
     Schema,
     canon,
     escape_pointer,
@@ -50,16 +82,21 @@ _COMPANIONS = {"if": ("then", "else"), "contains": ("minContains", "maxContains"
 
 
 class Normaliser:
-    """Rewrites one schema document (see the `json_schema` module docstring, steps 2-4).
+    """Phase A over one schema document: `run` gives the root, `defs_a` the hoisted ``$defs``.
 
-    Phase A (`node`, `merge`) maps the user's schema to an equivalent 2020-12
-    schema in which a dict is one of: ``{}``, ``{"$ref": "#/$defs/<name>"}``,
+    In the result a dict is one of: ``{}``, ``{"$ref": "#/$defs/<name>"}``,
     ``{"anyOf"|"oneOf": [...]}`` alone, or plain keywords with no ``$ref``,
     ``allOf``, ``anyOf``, ``oneOf``, ``not`` or dependencies; False accepts
-    nothing. Phase B (`lower`) maps that to what xgrammar compiles, without
-    mutating phase A's nodes; it reruns until the set of ``$defs`` that
-    accept nothing stops growing. Conjunction is `SchemaMerge`'s; each phase B
-    pass is a `SchemaLowering`.
+    nothing. `merger` (the conjunction) is also what phase B merges with, and
+    it may add ``$defs`` entries then; `problems` collects what phase A (and
+    any later merge) cannot enforce.
+
+    Parameters
+    ----------
+    root:
+        The user's schema (an object), checked against its dialect.
+    cls:
+        The ``jsonschema`` validator class of its dialect (a key of `DRAFT_YEAR`).
     """
 
     def __init__(self, root: dict, cls: type):
@@ -78,48 +115,27 @@ class Normaliser:
         self.merging: set[tuple] = set()  # conjunctions of references being merged
         self.deferred: dict[str, list[Schema]] = {}  # name -> the parts of a deferred conjunction
         self.deferred_names: dict[tuple, str] = {}
-        self.problems_a: list[tuple[str, str, str]] = []
-        self.problems_b: list[tuple[str, str, str]] = []
-        self.false_defs: set[str] = set()
-        self.merger = SchemaMerge(self.problem, self._merge_refs)
+        self.problems = Problems()
+        self.merger = SchemaMerge(self.problems, self)
 
     # -- driver --------------------------------------------------------------
 
-    def run(self) -> dict:
+    def run(self) -> Schema:
+        """The phase A form of the root; every def it reaches is then in `defs_a`.
+
+        Raises
+        ------
+        GrammarError
+            A ``$ref`` cannot be resolved inside the document, or a cycle of
+            references never reaches a schema.
+        """
         root_a = self.node(self.root, self.root_resolver, "")
         self._close_defs(root_a)
-        doc_a = dict(root_a) if isinstance(root_a, dict) else {}
-        doc_a["$defs"] = self.defs_a
-        checker = js_validators.Draft202012Validator(doc_a)
-        while True:
-            lowering = SchemaLowering(self.merger, checker, self.false_defs)
-            root_b = lowering.lower(root_a, "")
-            while lowering.pending:
-                name = lowering.pending.pop()
-                lowering.defs[name] = lowering.lower(self.defs_a[name], self.targets[name][2])
-            self.problems_b = lowering.problems
-            newly_false = {n for n, s in lowering.defs.items() if s is False} - self.false_defs
-            if not newly_false:
-                break
-            self.false_defs |= newly_false
-        if root_b is False:
-            raise GrammarError("json_schema accepts no value (its constraints contradict each other)", PARAM)
-        doc = dict(root_b)
-        if lowering.defs:
-            doc["$defs"] = {name: lowering.defs[name] for name in sorted(lowering.defs)}
-        return doc
+        return root_a
 
-    def problems(self) -> list[tuple[str, str, str]]:
-        seen, out = set(), []
-        for problem in self.problems_a + self.problems_b:
-            if problem[:2] not in seen:
-                seen.add(problem[:2])
-                out.append(problem)
-        return out
-
-    def problem(self, keyword: str, path: str, reason: str) -> None:
-        """Record a keyword phase A cannot enforce."""
-        self.problems_a.append((keyword, path, reason))
+    def def_path(self, name: str) -> str:
+        """The JSON pointer of the user's schema that ``$defs`` entry ``name`` stands for."""
+        return self.targets[name][2]
 
     def _index_paths(self, value: Any, path: str) -> None:
         if isinstance(value, dict):
@@ -197,7 +213,7 @@ class Normaliser:
                 self.unfolding.discard(name)
         return self.defs_a[name]
 
-    def _merge_refs(self, flat: list[dict], path: str) -> Schema:
+    def merge_refs(self, flat: list[dict], path: str) -> Schema:
         """The conjunction of ``flat``, some of which are (or hold) a ``$ref``.
 
         The targets are unfolded and merged in place, except when the same
@@ -223,7 +239,7 @@ class Normaliser:
         name = self.deferred_names.get(key)
         if name is None:
             if len(self.deferred) >= MAX_DEFERRED:
-                self.problem("$ref", path, "too many recursive references merged with other keywords")
+                self.problems.add("$ref", path, "too many recursive references merged with other keywords")
                 return {"$ref": DEFS_PREFIX + names[0]}
             name = f"merged_{len(self.deferred) + 1}"
             while name in self.targets:
@@ -303,12 +319,12 @@ class Normaliser:
             if key in kw:
                 own[key] = kw[key]
         if kw.get("uniqueItems") is True and kw.get("maxItems", 2) > 1:
-            self.problem("uniqueItems", path, "a grammar cannot compare items")
+            self.problems.add("uniqueItems", path, "a grammar cannot compare items")
         if "contains" in kw and not (kw.get("minContains") == 0 and "maxContains" not in kw and self.year >= 2019):
-            self.problem("contains", path, "a grammar cannot require an item anywhere in the array")
+            self.problems.add("contains", path, "a grammar cannot require an item anywhere in the array")
         if "unevaluatedItems" in kw:
             if any(k in kw for k in _IN_PLACE):
-                self.problem("unevaluatedItems", path, "beside in-place applicators")
+                self.problems.add("unevaluatedItems", path, "beside in-place applicators")
             elif "items" not in own:
                 own["items"] = self.node(kw["unevaluatedItems"], resolver, f"{path}/unevaluatedItems")
 
@@ -335,7 +351,7 @@ class Normaliser:
                 own[key] = kw[key]
         if "unevaluatedProperties" in kw:
             if any(k in kw for k in _IN_PLACE):
-                self.problem("unevaluatedProperties", path, "beside in-place applicators")
+                self.problems.add("unevaluatedProperties", path, "beside in-place applicators")
             elif "additionalProperties" not in own:
                 own["additionalProperties"] = self.node(kw["unevaluatedProperties"], resolver,
                                                           f"{path}/unevaluatedProperties")
@@ -345,7 +361,7 @@ class Normaliser:
             parts.append(self.hoist(kw["$ref"], resolver, path))
         for key in ("$dynamicRef", "$recursiveRef"):
             if key in kw:
-                self.problem(key, path, "dynamic references are not supported")
+                self.problems.add(key, path, "dynamic references are not supported")
         for i, branch in enumerate(kw.get("allOf", ())):
             parts.append(self.node(branch, resolver, f"{path}/allOf/{i}"))
         for key in ("anyOf", "oneOf"):
@@ -354,7 +370,7 @@ class Normaliser:
         if "not" in kw:
             parts.append(self._negate(kw["not"], resolver, path))
         if "if" in kw and ("then" in kw or "else" in kw):
-            self.problem("if", path, "conditional schemas are not supported")
+            self.problems.add("if", path, "conditional schemas are not supported")
 
     def _negate(self, raw: Any, resolver: Any, path: str) -> Schema:
         """A positive schema for ``not: raw``, or {} after recording a problem."""
@@ -367,7 +383,7 @@ class Normaliser:
         if keys == {"type"}:
             present = set(negated["type"])
             if "integer" in present and "number" not in present:
-                self.problem("not", path, "a grammar cannot exclude integers from numbers")
+                self.problems.add("not", path, "a grammar cannot exclude integers from numbers")
                 return {}
             left = [t for t in TYPES if t not in present and t != "integer"]
             return {"type": left} if left else False
@@ -378,7 +394,7 @@ class Normaliser:
                 return absent[0] if len(absent) == 1 else {"anyOf": absent}
             others = {"type": [t for t in TYPES if t not in ("object", "integer")]}
             return {"anyOf": [others, *absent]}
-        self.problem("not", path, "only the negation of {}, of a type or of required is supported")
+        self.problems.add("not", path, "only the negation of {}, of a type or of required is supported")
         return {}
 
     def _dependencies(self, kw: dict, parts: list, resolver: Any, path: str) -> None:

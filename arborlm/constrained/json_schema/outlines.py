@@ -1,11 +1,16 @@
 """Which JSON schemas outlines-core 0.2.14 can enforce, and lenient relaxation of the rest.
 
 outlines-core silently drops some keywords (bounds, ``uniqueItems``, ``not``...)
-and writes free-form values for schemas without a shape; `check_schema` refuses
+and writes free-form values for schemas without a shape; `check_for_outlines` refuses
 those with a `GrammarError` naming keyword and pointer, so arborlm never
-under-constrains without saying so. In lenient mode `drop_partial_keywords`
-removes what outlines-core enforces only in part, and `SchemaChecker` lets
-depth-limited free-form objects and arrays through (`OutlinesBackend.relax_json_schema`).
+under-constrains without saying so. In lenient mode `relax_for_outlines`
+(`drop_partial_keywords`) removes what outlines-core enforces only in part,
+and `SchemaChecker` lets depth-limited free-form objects and arrays through.
+
+Where they run: `relax_for_outlines` is the ``relax`` of the outlines
+`SchemaPolicy`, called by `prepare_json_schema` in the front; `check_for_outlines`
+runs when `OutlinesBackend` checks a key (front) and compiles it (compile
+worker). Both read the schema as `lower` wrote it.
 """
 
 from __future__ import annotations
@@ -16,6 +21,10 @@ import urllib.parse
 from typing import Any
 
 from arborlm.constrained.base import GrammarError
+from arborlm.constrained.json_schema.nodes import Relaxed
+
+# Top-level key of a schema `relax_for_outlines` relaxed (removed before outlines-core reads it).
+LENIENT_MARK = "x-arborlm-lenient"
 
 # Keywords outlines-core 0.2.14 drops without an error: the output could break them.
 _IGNORED_KEYWORDS = frozenset({
@@ -41,7 +50,7 @@ _LENIENT_ADVICE = ("Set json_schema_lenient to let the grammar enforce less (the
 _IDENTIFIER = re.compile(r"^[A-Za-z_$][A-Za-z0-9_$]*$")
 
 
-def check_schema(schema: dict, lenient: bool = False) -> None:
+def check_for_outlines(schema: dict, lenient: bool = False) -> None:
     """Refuse what outlines-core would enforce only in part.
 
     A recursive ``$ref`` (outlines unrolls it to a fixed depth); a free-form
@@ -55,7 +64,7 @@ def check_schema(schema: dict, lenient: bool = False) -> None:
     ``$ref``s (``#``, ``#/json/pointer``, the root ``$id`` + pointer) are
     followed; others are left to outlines-core, which rejects them.
     ``lenient``: recursion and objects without properties or arrays without
-    items pass (`OutlinesBackend.relax_json_schema` marked the schema).
+    items pass (`relax_for_outlines` marked the schema with `LENIENT_MARK`).
 
     Raises
     ------
@@ -65,8 +74,47 @@ def check_schema(schema: dict, lenient: bool = False) -> None:
     SchemaChecker(schema, lenient).visit(schema, "$", ("",), "")
 
 
+def relax_for_outlines(schema: dict) -> Relaxed:
+    """Lenient mode: ``schema`` with what outlines-core would enforce only in part relaxed.
+
+    Dropped: the keywords outlines-core ignores (`_IGNORED_KEYWORDS`: bounds,
+    ``uniqueItems``, ``not``, ...), the string rules beside the one it
+    applies (a pattern is kept over lengths, lengths over a format), and
+    ``minItems``/``maxItems`` beside ``prefixItems``. Let through, at
+    outlines-core's fixed depth: recursive ``$ref``s and objects without
+    properties or arrays without items (the schema is marked with
+    `LENIENT_MARK`, which `OutlinesBackend.compile` reads).
+
+    Parameters
+    ----------
+    schema:
+        The schema as `lower` wrote it, a fresh value: it is changed in place.
+
+    Returns
+    -------
+    Relaxed
+        The marked schema, and each thing relaxed as ``"keyword at /json/pointer"``
+        (with the reason for what is let through); nothing when nothing needed relaxing.
+
+    Raises
+    ------
+    GrammarError
+        What stays refused even when lenient (see `check_for_outlines`): any JSON
+        value, several ``allOf`` subschemas, a ``required`` name missing from
+        ``properties``.
+    """
+    relaxed: list[str] = []
+    drop_partial_keywords(schema, "", relaxed)
+    checker = SchemaChecker(schema, lenient=True)
+    checker.visit(schema, "$", ("",), "")
+    relaxed += checker.relaxed
+    if not relaxed:
+        return Relaxed(schema)
+    return Relaxed({**schema, LENIENT_MARK: True}, tuple(relaxed))
+
+
 class SchemaChecker:
-    """Depth-first walk of a schema and the ``$ref`` targets it reaches (`check_schema`)."""
+    """Depth-first walk of a schema and the ``$ref`` targets it reaches (`check_for_outlines`)."""
 
     def __init__(self, root: dict, lenient: bool = False):
         self.root = root
@@ -165,7 +213,7 @@ def _keyword_problem(node: dict, allow_free_form: bool = False) -> str | None:
 
 
 def _relaxable(node: dict) -> bool:
-    """True when lenient mode would let ``node`` through (`OutlinesBackend.relax_json_schema`)."""
+    """True when lenient mode would let ``node`` through (`relax_for_outlines`)."""
     if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
         return False
     required = node.get("required") if isinstance(node.get("required"), list) else []

@@ -5,8 +5,8 @@ anywhere in the string) and ``jsonschema`` evaluates them with Python's `re`;
 xgrammar matches a regex against the whole string. These helpers turn a search
 pattern into a full-match one, fold ``minLength``/``maxLength`` into it, exclude
 words (for ``not: {enum: ...}``), drop lookarounds the grammar cannot express,
-and ask xgrammar whether it accepts a pattern. `json_schema` calls them while
-normalising a schema.
+and ask xgrammar whether it accepts a pattern. `lower` calls them while
+lowering a schema (and `merge` uses `pattern_search`).
 """
 
 from __future__ import annotations

@@ -4,14 +4,15 @@
 regardless of key order), so enums can be deduplicated and intersected in
 linear time. `mutually_exclusive` proves that no value matches two of a
 `oneOf`'s lowered branches, in which case the `oneOf` is their `anyOf`
-(used by `json_schema`'s normaliser).
+(used by `lower`). `normalise` and `merge` deduplicate and intersect ``enum``s
+with `unique` and `json_intersection`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-Schema = dict | bool
+from arborlm.constrained.json_schema.nodes import Schema
 
 
 def json_key(value: Any) -> Any:
@@ -48,7 +49,6 @@ def json_intersection(values: list, others: list) -> list:
     """The members of ``values`` JSON-equal to a member of ``others``, in order (linear time)."""
     keys = {json_key(w) for w in others}
     return [v for v in values if json_key(v) in keys]
-
 
 
 def mutually_exclusive(branches: list[Schema]) -> bool:
