@@ -44,3 +44,11 @@ class ServerOverloadedError(ArborError):
 
 class EngineDeadError(ArborError):
     """The scheduler process exited; the engine cannot serve more requests."""
+
+
+class SchedulerTimeoutError(ArborError):
+    """The scheduler did not answer an info or flush request in time (a long or hung step).
+
+    The engine is not known to be dead: the request may still take effect, and the
+    scheduler's watchdog ends a loop that stays stuck. The HTTP server answers 503.
+    """

@@ -26,6 +26,7 @@ from arborlm.errors import (
     EngineDeadError,
     InvalidRequestError,
     RequestAbortedError,
+    SchedulerTimeoutError,
     ServerOverloadedError,
 )
 
@@ -90,6 +91,8 @@ def to_api_error(exc: BaseException, request_id: str | None = None) -> APIError:
         return APIError(503, str(exc) or "the request was aborted", type="server_error", code="request_aborted")
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"the engine is not running: {exc}", type="server_error", code="engine_dead")
+    if isinstance(exc, SchedulerTimeoutError):
+        return APIError(503, str(exc), type="server_error", code="scheduler_timeout")
     return internal_error(exc, request_id or new_request_id())
 
 

@@ -23,6 +23,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ATTENTION_BACKENDS = ATTENTION_BACKEND_NAMES  # one list, torch-free: runtime/layers/attention/names.py
+# The longest the front waits for a scheduler reply (seconds): Prometheus's default scrape timeout.
+MAX_REPLY_TIMEOUT_S = 10.0
 
 
 def _check(cond: bool, name: str, value: Any, expected: str) -> None:
@@ -148,6 +150,11 @@ class SchedulerConfig:
         metadata={"help": "requests accepted beyond max_running_requests (counted at the front); "
                           "more are refused (HTTP 503); default unbounded"},
     )
+    watchdog_timeout: float = field(
+        default=300.0,
+        metadata={"help": "seconds the scheduler's loop may go without progress while it has work before its "
+                          "watchdog ends the scheduler process (the server then stops); SGLang's name and default"},
+    )
 
     def __post_init__(self):
         _check_types(self)
@@ -170,6 +177,17 @@ class SchedulerConfig:
             self.max_queued_requests is None or self.max_queued_requests >= 0,
             "max_queued_requests", self.max_queued_requests, "None or >= 0",
         )
+        _check(self.watchdog_timeout > 0, "watchdog_timeout", self.watchdog_timeout, "> 0 seconds")
+
+    @property
+    def reply_timeout_s(self) -> float:
+        """Seconds the front waits for the scheduler's answer to an info or flush request.
+
+        The answer comes between two steps, so a long wait means a long step; past
+        `watchdog_timeout` the watchdog ends the scheduler anyway, so waiting longer
+        is pointless, and /metrics must answer within a scrape's timeout (10 s).
+        """
+        return min(self.watchdog_timeout, MAX_REPLY_TIMEOUT_S)
 
 
 GRAMMAR_BACKENDS = GRAMMAR_BACKEND_NAMES  # one list, torch-free: constrained/registry.py

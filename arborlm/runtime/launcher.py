@@ -6,7 +6,8 @@ behind two zmq IPC sockets in a private temporary folder and waits until the
 child reports its `ModelInfo`. The caller then builds a `TokenizerManager` on
 its own asyncio loop (it binds those sockets), calls `SchedulerProcess.watch`
 so that a dying scheduler fails every waiting request, and on shutdown calls
-`begin_stop`, `close_front` (on the manager's loop) and `stop`.
+`begin_stop`, `close_front` (on the manager's loop) and `stop`. A hung scheduler
+is ended by its own watchdog (`watchdog.py`) and so takes the same dying path.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from arborlm.errors import EngineDeadError, ModelLoadError
 from arborlm.runtime.config import ServerArgs
 from arborlm.runtime.io_struct import ModelInfo
 from arborlm.runtime.scheduler_process import PortArgs, Shutdown, run_scheduler_process
+from arborlm.runtime.watchdog import WATCHDOG_EXIT_CODE
 
 logger = logging.getLogger(__name__)
 
 SCHEDULER_START_TIMEOUT_S = 900.0
-WATCHDOG_INTERVAL_S = 1.0
+MONITOR_INTERVAL_S = 1.0
 STOP_TIMEOUT_S = 10.0
 
 
@@ -80,25 +82,25 @@ class SchedulerProcess:
     def watch(self, on_exit: Callable[[str], None]) -> threading.Thread:
         """Call `on_exit(reason)` from a daemon thread if the child exits before `begin_stop`.
 
-        `on_exit` runs on the watchdog thread: hand work to an event loop with
-        `loop.call_soon_threadsafe`.
+        `on_exit` runs on the monitor thread: hand work to an event loop with
+        `loop.call_soon_threadsafe`. The exit is seen within `MONITOR_INTERVAL_S`.
         """
 
         def run() -> None:
             while not self._stopping.is_set():
-                self.process.join(WATCHDOG_INTERVAL_S)
+                self.process.join(MONITOR_INTERVAL_S)
                 if not self.process.is_alive() and not self._stopping.is_set():
-                    reason = f"the scheduler process exited (code {self.process.exitcode})"
+                    reason = exit_reason(self.process.exitcode)
                     logger.error(reason)
                     on_exit(reason)
                     return
 
-        thread = threading.Thread(target=run, name="arborlm-watchdog", daemon=True)
+        thread = threading.Thread(target=run, name="arborlm-scheduler-monitor", daemon=True)
         thread.start()
         return thread
 
     def begin_stop(self) -> None:
-        """Mark the exit that follows as expected (the watchdog stays quiet)."""
+        """Mark the exit that follows as expected (the monitor stays quiet)."""
         self._stopping.set()
 
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
@@ -113,6 +115,15 @@ class SchedulerProcess:
             self.process.kill()
             self.process.join(5)
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def exit_reason(exitcode: int | None) -> str:
+    """Why the scheduler is gone, in words, from its exit status (negative: killed by that signal)."""
+    reason = f"the scheduler process exited (code {exitcode})"
+    if exitcode == WATCHDOG_EXIT_CODE:
+        reason += (": its watchdog found the event loop stuck for longer than --watchdog-timeout "
+                   "(the thread stacks are in the scheduler's log)")
+    return reason
 
 
 def launch_scheduler(server_args: ServerArgs, start_timeout_s: float = SCHEDULER_START_TIMEOUT_S) -> SchedulerProcess:

@@ -2,20 +2,28 @@
 
 receive (non-blocking while there is work, a 1 s poll when idle) → step →
 send outputs. The process reports its `ModelInfo` (or a load error) through a
-pipe when ready and exits when told to, or when its parent is gone.
+pipe when ready and exits when told to, or when its parent is gone. A watchdog
+thread (`watchdog.Watchdog`) ends the process when an iteration with work lasts
+longer than `watchdog_timeout` (a hung step), so the front sees a dead scheduler
+instead of waiting forever.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
 
+from arborlm.envs import ENVS
 from arborlm.runtime.config import ServerArgs
-from arborlm.runtime.io_struct import BatchTokenOut
+from arborlm.runtime.io_struct import BatchTokenOut, ReqOutput
+from arborlm.runtime.watchdog import LoopProgress, Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -52,28 +60,51 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, ready_co
     send_sock = ctx.socket(zmq.PUSH)
     send_sock.connect(port_args.scheduler_output)
     ready_conn.send({"status": "ready", "model_info": scheduler.model_info})
+    progress = LoopProgress()
+    watchdog = Watchdog(progress, server_args.scheduler.watchdog_timeout, describe=lambda: _describe(scheduler))
+    watchdog.start()
     try:
-        event_loop(scheduler, recv_sock, send_sock, parent)
+        step = _step_function(scheduler, ENVS.test_hang_after_steps)
+        event_loop(scheduler, recv_sock, send_sock, parent, progress, step)
     finally:
+        watchdog.stop()
         ctx.destroy(linger=0)
 
 
-def event_loop(scheduler, recv_sock, send_sock, parent_pid: int) -> None:
-    """receive → step → send, until `Shutdown` or the parent process disappears."""
+def event_loop(scheduler, recv_sock, send_sock, parent_pid: int, progress: LoopProgress,
+               step: Callable[[], list[ReqOutput]]) -> None:
+    """receive → step → send, until `Shutdown` or the parent process disappears.
+
+    progress: told when each iteration with work begins and when the loop goes idle
+        (the watchdog reads it).
+    step: `scheduler.step` (or the test hook's wrapper of it, `_step_function`).
+    """
+    num_steps = 0
     while True:
-        if not scheduler.has_work() and not recv_sock.poll(IDLE_POLL_MS):
-            if os.getppid() != parent_pid:
-                return
-            continue
-        for message in _recv_all(recv_sock):
-            if isinstance(message, Shutdown):
-                return
-            reply = scheduler.handle(message)
-            if reply is not None:
-                send_sock.send_pyobj(reply)
-        outputs = scheduler.step()
+        if not scheduler.has_work():
+            progress.idle()
+            if not recv_sock.poll(IDLE_POLL_MS):
+                if os.getppid() != parent_pid:
+                    return
+                continue
+        progress.begin(f"step {num_steps} (with the messages received before it)")
+        if not _apply_messages(scheduler, recv_sock, send_sock):
+            return
+        outputs = step()
+        num_steps += 1
         if outputs:
             send_sock.send_pyobj(BatchTokenOut(outputs))
+
+
+def _apply_messages(scheduler, recv_sock, send_sock) -> bool:
+    """Hand every queued message to the scheduler, sending its replies; False on `Shutdown`."""
+    for message in _recv_all(recv_sock):
+        if isinstance(message, Shutdown):
+            return False
+        reply = scheduler.handle(message)
+        if reply is not None:
+            send_sock.send_pyobj(reply)
+    return True
 
 
 def _recv_all(sock) -> list:
@@ -83,3 +114,31 @@ def _recv_all(sock) -> list:
             messages.append(sock.recv_pyobj(zmq.NOBLOCK))
         except zmq.Again:
             return messages
+
+
+def _describe(scheduler) -> str:
+    """The scheduler's queue lengths, for the watchdog's log line."""
+    info = scheduler.get_info()
+    return f"{info['num_running_reqs']} requests running, {info['num_waiting_reqs']} waiting"
+
+
+def _step_function(scheduler, hang_after_steps: int | None) -> Callable[[], list[ReqOutput]]:
+    """`scheduler.step`; with `hang_after_steps` set (`ARBORLM_TEST_HANG_AFTER_STEPS`, tests
+    only), a wrapper whose step after that many never returns: a hung forward step for the
+    watchdog to catch. Only the loop thread hangs; the watchdog thread runs on."""
+    if hang_after_steps is None:
+        return scheduler.step
+    num_done = itertools.count()
+
+    def step() -> list[ReqOutput]:
+        if next(num_done) >= hang_after_steps:
+            _hang_forever()
+        return scheduler.step()
+
+    return step
+
+
+def _hang_forever() -> None:
+    """Block this thread for good (releasing the GIL); named so that the stack dump shows it."""
+    logger.warning("ARBORLM_TEST_HANG_AFTER_STEPS: the scheduler's loop hangs here on purpose")
+    threading.Event().wait()

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -24,6 +25,7 @@ from arborlm.errors import (
     EngineDeadError,
     InvalidRequestError,
     RequestAbortedError,
+    SchedulerTimeoutError,
     ServerOverloadedError,
 )
 from arborlm.runtime.config import ServerArgs
@@ -106,8 +108,9 @@ class TokenizerManager:
         self.recv_sock = self.context.socket(zmq.PULL)
         self.recv_sock.bind(port_args.scheduler_output)
         self.rid_to_state: dict[str, ReqState] = {}
-        self._info_lock = asyncio.Lock()
-        self._info_future: asyncio.Future | None = None
+        # Callers waiting for an `InfoOut`, oldest first: the scheduler answers in the order asked.
+        self._pending_replies: deque[asyncio.Future] = deque()
+        self.reply_timeout_s = server_args.scheduler.reply_timeout_s
         self._seed_counter = server_args.scheduler.random_seed
         self.dead_reason: str | None = None
         self.stats = {"num_grammar_violations": 0}
@@ -412,19 +415,47 @@ class TokenizerManager:
         self.send_sock.send_pyobj(AbortReq(rid))
 
     async def get_info(self, check_invariants: bool = False) -> dict[str, Any]:
-        """Live figures from the scheduler (optionally asserting pool invariants there)."""
+        """Live figures from the scheduler (optionally asserting pool invariants there).
+
+        Raises
+        ------
+        EngineDeadError, SchedulerTimeoutError: as `_ask`.
+        """
         return {**await self._ask(GetInfoReq(check_invariants=check_invariants)), **self.stats}
 
     async def flush_cache(self) -> bool:
-        """Empty the radix cache; False when requests are in flight."""
+        """Empty the radix cache; False when requests are in flight.
+
+        Raises
+        ------
+        EngineDeadError, SchedulerTimeoutError: as `_ask` (after a timeout the flush may
+            still happen).
+        """
         return bool((await self._ask(FlushCacheReq()))["success"])
 
     async def _ask(self, message) -> dict[str, Any]:
+        """Send `message` to the scheduler and wait, at most `reply_timeout_s` seconds, for its `InfoOut`.
+
+        A caller that gives up leaves its (cancelled) future in `_pending_replies`, so
+        the late reply settles that one and never a later caller's.
+
+        Raises
+        ------
+        EngineDeadError: the scheduler is gone, or dies while we wait.
+        SchedulerTimeoutError: no reply in time: the scheduler is inside a long step,
+            or a stuck one that its watchdog will end.
+        """
         self._check_alive()
-        async with self._info_lock:
-            self._info_future = asyncio.get_running_loop().create_future()
-            self.send_sock.send_pyobj(message)
-            return await self._info_future
+        future = asyncio.get_running_loop().create_future()
+        self._pending_replies.append(future)
+        self.send_sock.send_pyobj(message)
+        try:
+            return await asyncio.wait_for(future, self.reply_timeout_s)
+        except TimeoutError:
+            raise SchedulerTimeoutError(
+                f"the scheduler did not answer in {self.reply_timeout_s:g} s (it is inside a long or stuck "
+                "step; a stuck one is ended by its watchdog); retry later"
+            ) from None
 
     # ---- receiving ----------------------------------------------------------
 
@@ -432,14 +463,22 @@ class TokenizerManager:
         while True:
             message = await self.recv_sock.recv_pyobj()
             if isinstance(message, InfoOut):
-                if self._info_future is not None and not self._info_future.done():
-                    self._info_future.set_result(message.info)
+                self._settle_oldest_reply(message.info)
                 continue
             assert isinstance(message, BatchTokenOut)
             for out in message.outputs:
                 state = self.rid_to_state.get(out.rid)
                 if state is not None:
                     state.queue.put_nowait(out)
+
+    def _settle_oldest_reply(self, info: dict[str, Any]) -> None:
+        """Hand a scheduler reply to the oldest caller still waiting for one."""
+        if not self._pending_replies:
+            logger.warning("a scheduler reply arrived that no caller asked for")
+            return
+        future = self._pending_replies.popleft()
+        if not future.done():  # done: its caller timed out or was cancelled
+            future.set_result(info)
 
     def abort_all(self, message: str) -> None:
         """Every in-flight caller gets `RequestAbortedError(message)`; the scheduler is told to stop them."""
@@ -451,8 +490,10 @@ class TokenizerManager:
         self.dead_reason = reason
         for state in self.rid_to_state.values():
             state.queue.put_nowait(EngineDeadError(reason))
-        if self._info_future is not None and not self._info_future.done():
-            self._info_future.set_exception(EngineDeadError(reason))
+        while self._pending_replies:
+            future = self._pending_replies.popleft()
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
 
     def _check_alive(self) -> None:
         if self.dead_reason is not None:
