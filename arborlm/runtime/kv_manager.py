@@ -37,7 +37,8 @@ def step_tokens(reqs: list[Req]) -> int:
 class Retraction:
     """What `KVManager.retract_decode` took back.
 
-    retracted: released requests, youngest first; each was reset by
+    retracted: released requests in the order taken back (the chunked
+        request first, then the youngest first); each was reset by
         `Req.reset_for_retraction` and keeps its output tokens.
     new_token_ratio: the share of remaining `max_new_tokens` admission should
         reserve from now on, in [the ratio before, 1].
@@ -167,7 +168,7 @@ class KVManager:
 
     # ---- retraction ---------------------------------------------------------
 
-    def retract_decode(self, reqs: list[Req], new_token_ratio: float) -> Retraction:
+    def retract_decode(self, reqs: list[Req], new_token_ratio: float, chunked_req: Req | None = None) -> Retraction:
         """Release the youngest of `reqs` (running or jumping) until the rest fit the next step.
 
         The next step takes `step_tokens(reqs)` slots: one per decoding request
@@ -179,20 +180,31 @@ class KVManager:
         gives the same output. The ratio is raised so admission reserves more
         for the requests that stay (as SGLang does).
 
-        The oldest request is never retracted: the pool always holds one request
+        `chunked_req`, a prompt prefilled in part, takes no slot in this step but
+        holds the slots of its chunks; it goes first. Left in place, it could fill
+        the pool while the one request left to decode needs a slot, and that step
+        failed with "out of KV slots".
+
+        The oldest of `reqs` is never retracted: the pool always holds one request
         of `context_length` tokens, and a jump never takes more than the pool had free.
         """
         alive = sorted(reqs, key=lambda r: r.admitted_time)
         retracted: list[Req] = []
+        if chunked_req is not None and not self.can_fit(step_tokens(alive)):
+            self._retract(chunked_req)
+            retracted.append(chunked_req)
         while len(alive) > 1 and not self.can_fit(step_tokens(alive)):
             req = alive.pop()
-            self.release_req(req)
-            req.reset_for_retraction()
+            self._retract(req)
             retracted.append(req)
         decoded = sum(len(r.output_ids) for r in alive)
         max_new = sum(r.sampling_params.max_new_tokens for r in alive) or 1
         ratio = (decoded + RETRACT_DECODE_STEPS * len(alive)) / max_new
         return Retraction(retracted, min(1.0, max(new_token_ratio, ratio)))
+
+    def _retract(self, req: Req) -> None:
+        self.release_req(req)
+        req.reset_for_retraction()
 
     # ---- introspection ------------------------------------------------------
 

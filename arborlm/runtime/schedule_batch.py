@@ -102,6 +102,11 @@ class Req:
         self.kv_len = 0
         self.extend_input_len = 0
         self.num_retractions += 1
+        if not self.input_logprobs_sent:
+            # Re-admission recomputes every asked-for prompt position (`prefix_match_key`
+            # stops before them), so a retracted chunked prompt scores them again.
+            self.input_token_logprobs.clear()
+            self.input_top_logprobs.clear()
 
 
 @dataclass

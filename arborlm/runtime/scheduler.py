@@ -373,15 +373,18 @@ class Scheduler:
 
         The step takes one slot per running request plus, per jumping request, its
         forced tokens and its next token (`kv_manager.step_tokens`). Retracted
-        requests go back to the front of the waiting queue, oldest first.
+        requests (the chunked one first, see `KVManager.retract_decode`) go back
+        to the front of the waiting queue.
         """
         sched = self.server_args.scheduler
         alive = self.running + self.jump_forward_reqs
         if self.kv.can_fit(step_tokens(alive)):
             self.new_token_ratio = max(sched.min_new_token_ratio, self.new_token_ratio - sched.new_token_ratio_decay)
             return
-        retraction = self.kv.retract_decode(alive, self.new_token_ratio)
+        retraction = self.kv.retract_decode(alive, self.new_token_ratio, self.chunked_req)
         taken = set(map(id, retraction.retracted))
+        if id(self.chunked_req) in taken:
+            self.chunked_req = None
         self.running = [r for r in self.running if id(r) not in taken]
         self.jump_forward_reqs = [r for r in self.jump_forward_reqs if id(r) not in taken]
         self.waiting_queue[:0] = reversed(retraction.retracted)

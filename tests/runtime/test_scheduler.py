@@ -332,3 +332,28 @@ def test_mixed_chunk_decodes_running_requests_inside_prefill_steps(make_schedule
             assert tokens[f"r{i}"] == reference_greedy(tiny_hf_model, p, 30 if i == 0 else 12)
         assert (sched.stats["num_mixed_steps"] > 0) == enable
         tokens = {rid: [] for rid in tokens}
+
+
+def test_retracted_chunked_prompt_keeps_its_outputs_and_prompt_logprobs(make_scheduler, tiny_hf_model):
+    """Chunks of a long prompt fill a tiny pool while another request decodes: the chunked
+    prompt is retracted (it used to starve the decode step, which failed with "out of KV
+    slots"), and on re-admission it scores its prompt logprobs once, not twice."""
+    ps = [p + [7] * 12 for p in prompts(4, 5, 30, seed=17)]
+    sched = make_scheduler(max_total_tokens=100, chunked_prefill_size=8, init_new_token_ratio=0.05,
+                           min_new_token_ratio=0.0, new_token_ratio_decay=0.0)
+    reqs = []
+    for i, p in enumerate(ps):
+        req = make_req(f"r{i}", p, max_new_tokens=30, ignore_eos=True)
+        req.return_logprob, req.logprob_start_len = True, 0
+        reqs.append(req)
+    result = run_to_completion(sched, reqs)
+    assert sched.stats["num_retractions"] > 0
+    for i, p in enumerate(ps):
+        assert result.finish[f"r{i}"] == {"type": "length", "length": 30}
+        assert result.tokens[f"r{i}"] == reference_greedy(tiny_hf_model, p, 30)
+        prompt_lps = [lp for o in result.outputs[f"r{i}"] for lp in o.input_token_logprobs or []]
+        assert [tid for _, tid in prompt_lps] == p
+        with torch.inference_mode():
+            logprobs = torch.log_softmax(tiny_hf_model(torch.tensor([p])).logits[0].float(), dim=-1)
+        for pos in range(1, len(p)):
+            assert prompt_lps[pos][0] == pytest.approx(float(logprobs[pos - 1, p[pos]]), abs=1e-4)
