@@ -1,4 +1,9 @@
-"""Small factories for scheduler tests (in the manner of vLLM's `create_requests`)."""
+"""Small factories for scheduler tests (in the manner of vLLM's `create_requests`).
+
+`create_scheduler` runs a real model; `create_fake_scheduler` runs a
+`ScriptedWorker` (no model, real pools and radix cache) for tests of the
+scheduling and memory bookkeeping alone.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +11,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from arborlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from arborlm.runtime.config import ServerArgs
-from arborlm.runtime.io_struct import ReqOutput, TokenizedGenerateReqInput
+from arborlm.runtime.io_struct import ModelInfo, ReqOutput, TokenizedGenerateReqInput
+from arborlm.runtime.model_runner import EXTRA_REQ_ROWS
+from arborlm.runtime.model_worker import GenerationResult, ModelWorkerBatch
 from arborlm.runtime.scheduler import Scheduler
 from arborlm.sampling_params import SamplingParams
+
+FAKE_VOCAB_SIZE = 1024
+FAKE_EOS_ID = 2
+FAKE_CONTEXT_LENGTH = 256
 
 
 def create_scheduler(model_dir, tokenizer, **overrides) -> Scheduler:
@@ -77,3 +89,77 @@ def reference_greedy(hf_model, input_ids: list[int], max_new_tokens: int) -> lis
         out.append(next_id)
         ids = torch.cat([ids, torch.tensor([[next_id]])], dim=1)
     return out
+
+
+class LetterTokenizer:
+    """Decodes token id `i` as the letter ``chr(ord("a") + i % 26)`` (stop strings without a vocabulary)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, **_) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+class ScriptedWorker:
+    """A model worker without a model: request `rid`'s k-th output token is `scripts[rid][k]`.
+
+    Its "KV" of a slot is the token there (K) and its position (V). Each step
+    writes them at `out_cache_loc` and then reads back every request's row
+    `req_to_token[row, :seq_len]`, recording in `kv_errors` any position whose
+    slot does not hold the request's own token: what a real model would read
+    as a wrong prefix (a cache, chunking or retraction bug).
+
+    `fail_at`: step numbers (1-based calls) at which it raises instead, or
+    (`malformed_at`) returns one token too few.
+    """
+
+    def __init__(self, server_args: ServerArgs, scripts: dict[str, list[int]]):
+        self.scripts = scripts
+        max_total_tokens = server_args.cache.max_total_tokens
+        max_running = server_args.scheduler.max_running_requests
+        context_length = min(server_args.model.context_length or FAKE_CONTEXT_LENGTH, max_total_tokens)
+        self.req_to_token_pool = ReqToTokenPool(max_running + EXTRA_REQ_ROWS, context_length + 4)
+        self.token_to_kv_pool = TokenToKVPool(max_total_tokens, 1, 1, 1, torch.float32)
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_total_tokens)
+        self.model_info = ModelInfo(
+            checkpoint="scripted", architecture="ScriptedWorker", dtype="float32", device="cpu",
+            vocab_size=FAKE_VOCAB_SIZE, context_length=context_length, max_total_tokens=max_total_tokens,
+            max_running_requests=max_running, eos_token_ids=(FAKE_EOS_ID,),
+        )
+        self.num_steps = 0
+        self.fail_at: set[int] = set()
+        self.malformed_at: set[int] = set()
+        self.kv_errors: list[str] = []
+        self.step_rids: list[list[str]] = []
+
+    def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationResult:
+        self.num_steps += 1
+        self.step_rids.append([r.rid for r in batch.reqs])
+        if self.num_steps in self.fail_at:
+            raise RuntimeError(f"injected failure at step {self.num_steps}")
+        fb = batch.forward_batch
+        self.token_to_kv_pool.set_kv_buffer(
+            0, fb.out_cache_loc, fb.input_ids.view(-1, 1, 1).float(), fb.positions.view(-1, 1, 1).float()
+        )
+        self._check_kv(batch)
+        sampled = [batch.reqs[i] for i in batch.sample_rows]
+        tokens = [self.scripts[r.rid][len(r.output_ids)] for r in sampled]
+        if self.num_steps in self.malformed_at:
+            tokens = tokens[:-1]
+        return GenerationResult(tokens, [None] * len(tokens), [None] * len(batch.reqs))
+
+    def _check_kv(self, batch: ModelWorkerBatch) -> None:
+        k, v = self.token_to_kv_pool.get_kv_buffer(0)
+        for req, row, seq_len in zip(batch.reqs, batch.forward_batch.req_pool_indices.tolist(),
+                                     batch.forward_batch.seq_lens_cpu):
+            slots = self.req_to_token_pool.req_to_token[row, :seq_len].long()
+            if k[slots].flatten().long().tolist() != req.fill_ids[:seq_len]:
+                self.kv_errors.append(f"step {self.num_steps}: {req.rid} reads another request's KV")
+            if v[slots].flatten().long().tolist() != list(range(seq_len)):
+                self.kv_errors.append(f"step {self.num_steps}: {req.rid} reads KV of wrong positions")
+
+
+def create_fake_scheduler(scripts: dict[str, list[int]], **overrides) -> Scheduler:
+    """A scheduler over a `ScriptedWorker` (see there) with a small pool unless overridden."""
+    kwargs = dict(max_total_tokens=512, max_running_requests=8, device="cpu")
+    kwargs.update(overrides)
+    server_args = ServerArgs.from_kwargs(**kwargs)
+    return Scheduler(server_args, worker=ScriptedWorker(server_args, scripts), tokenizer=LetterTokenizer())
