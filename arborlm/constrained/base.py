@@ -1,6 +1,7 @@
 """The interface every grammar backend implements.
 
-A request asks for at most one constraint, a `GrammarKey` (kind + text). A
+A request asks for at most one constraint, a `GrammarKey` (kind + text; it and
+`GrammarError` are defined in the torch-free `keys`, which the front imports). A
 `GrammarBackend` compiles a key once into a `CompiledGrammar` (cached by the
 `GrammarManager` under (backend name, kind, text)); each request then gets its
 own `GrammarMatcher` from it. Per decode step the scheduler asks every
@@ -18,46 +19,27 @@ Design after SGLang's ``sglang/srt/constrained/base_grammar_backend.py``.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from arborlm.errors import InvalidRequestError
+from arborlm.constrained.keys import ANY_JSON, GRAMMAR_KINDS, GrammarError, GrammarKey
 
 if TYPE_CHECKING:
     from arborlm.constrained.json_schema import SchemaPolicy
 
-# The kinds a request can ask for. "json_object" is any JSON value (OpenAI's json mode).
-GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
-
-# `json_schema` spelling of "any JSON value", as SGLang accepts it.
-ANY_JSON = "$$ANY$$"
-
-
-class GrammarError(InvalidRequestError):
-    """A grammar that cannot be used: bad syntax, an unsupported kind or keyword, a compile timeout.
-
-    `param` names the sampling field (``json_schema``, ``regex``, ``ebnf``, ...).
-    """
-
-
-@dataclass(frozen=True)
-class GrammarKey:
-    """What a request is constrained by.
-
-    kind: one of `GRAMMAR_KINDS`.
-    text: the grammar source (a JSON schema serialised with sorted keys, a
-        regex, an EBNF/GBNF grammar, a structural-tag JSON); "" for json_object.
-    """
-
-    kind: str
-    text: str
-
-    @property
-    def param(self) -> str:
-        """The sampling field this key came from (for error messages)."""
-        return "json_schema" if self.kind == "json_object" else self.kind
+# The torch-free types live in `keys` (the front imports them from there); named here too.
+__all__ = [
+    "ANY_JSON",
+    "GRAMMAR_KINDS",
+    "CompiledGrammar",
+    "GrammarBackend",
+    "GrammarError",
+    "GrammarKey",
+    "GrammarMatcher",
+    "allocate_vocab_mask",
+    "apply_vocab_mask",
+]
 
 
 class GrammarMatcher(abc.ABC):

@@ -121,7 +121,7 @@ class CompileWorker:
         WorkerSetupError
             The worker could not build the backend.
         """
-        from arborlm.constrained.base import GrammarError
+        from arborlm.constrained.keys import GrammarError
 
         self._running = True
         try:
@@ -317,7 +317,7 @@ def main() -> None:
     except BaseException:  # noqa: BLE001 — reported to the parent
         _reply(reply_fd, ("setup_failed", traceback.format_exc()))
         return
-    from arborlm.constrained.base import GrammarError, GrammarKey
+    from arborlm.constrained.keys import GrammarError, GrammarKey
 
     _reply(reply_fd, ("ready",))
     while True:

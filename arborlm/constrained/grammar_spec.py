@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from arborlm.constrained.base import ANY_JSON, GrammarError, GrammarKey
+from arborlm.constrained.keys import ANY_JSON, GrammarError, GrammarKey
 from arborlm.constrained.json_schema import (
     PreparedSchema,
     prepare_json_schema,

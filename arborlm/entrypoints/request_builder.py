@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from arborlm.constrained.base import GrammarError
+from arborlm.constrained.keys import GrammarError
 from arborlm.errors import EngineDeadError, InvalidRequestError
 from arborlm.runtime.io_struct import GenerateReqInput, TokenizedGenerateReqInput
 from arborlm.runtime.tokenizer_manager import TokenizerManager

@@ -110,7 +110,7 @@ from typing import Any
 
 from jsonschema import validators as js_validators
 
-from arborlm.constrained.base import GrammarError
+from arborlm.constrained.keys import GrammarError
 from arborlm.constrained.json_schema.merge import SchemaMerge
 from arborlm.constrained.json_schema.nodes import (
     DEFS_PREFIX,

@@ -45,7 +45,7 @@ import referencing.jsonschema
 from referencing import Registry
 from referencing.exceptions import Unresolvable
 
-from arborlm.constrained.base import GrammarError
+from arborlm.constrained.keys import GrammarError
 from arborlm.constrained.json_schema.merge import SchemaMerge
 from arborlm.constrained.json_schema.nodes import (
     DEFS_PREFIX,

@@ -20,7 +20,7 @@ import re
 import urllib.parse
 from typing import Any
 
-from arborlm.constrained.base import GrammarError
+from arborlm.constrained.keys import GrammarError
 from arborlm.constrained.json_schema.nodes import Relaxed
 
 # Top-level key of a schema `relax_for_outlines` relaxed (removed before outlines-core reads it).

@@ -21,7 +21,7 @@ import referencing.jsonschema
 from jsonschema import exceptions as js_exceptions
 from jsonschema import validators as js_validators
 
-from arborlm.constrained.base import GrammarError
+from arborlm.constrained.keys import GrammarError
 from arborlm.constrained.json_schema.nodes import DRAFT_YEAR, PARAM
 
 # Longest schema accepted, in characters of its JSON text: far above real schemas (a

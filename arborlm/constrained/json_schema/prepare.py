@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from jsonschema import validators as js_validators
 
-from arborlm.constrained.base import GrammarError
+from arborlm.constrained.keys import GrammarError
 from arborlm.constrained.json_schema.lower import lower_document
 from arborlm.constrained.json_schema.nodes import PARAM, Problem, first_of_each
 from arborlm.constrained.json_schema.normalise import Normaliser

@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from arborlm.constrained.base import GrammarError, GrammarKey
+from arborlm.constrained.keys import GrammarError, GrammarKey
 from arborlm.constrained.json_schema import (
     PreparedSchema,
     prepare_json_schema,
