@@ -9,7 +9,9 @@ attention through `RadixAttention` and an `AttentionBackend`). The residual stre
 follows SGLang: each norm takes the previous block's output and the residual, adds
 them and normalises (`fused_add_rms_norm`). The model runner calls
 `forward(forward_batch)` once per step; `models/registry.py` maps the config's
-architecture names here.
+architecture names here. Qwen3, Qwen3-MoE and Mixtral (`qwen3.py`, `qwen3_moe.py`,
+`mixtral.py`) reuse it through the decoder layer's `attention_cls` / `make_mlp`
+hooks and `LlamaForCausalLM.decoder_layer_cls`.
 """
 
 from __future__ import annotations
@@ -69,18 +71,31 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k rotate together: one kernel call over (num_tokens, heads + kv_heads, head_dim).
-        qk = self.ops.rotary_(qk.view(num_tokens, -1, self.head_dim), rotary)
+        qk = self.ops.rotary_(self.norm_qk(qk.view(num_tokens, -1, self.head_dim)), rotary)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return self.o_proj(self.attn(q, k, v, forward_batch))
 
+    def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        """Hook before rotary for families that normalise q and k (Qwen3); identity here.
+
+        qk: (num_tokens, num_heads + num_kv_heads, head_dim), q heads first.
+        """
+        return qk
+
+
+# Families whose `sliding_window` (when set) covers every layer; in the others (Qwen2, whose
+# config keeps a window it does not use unless `layer_types` says so) only `layer_types` counts.
+# Qwen3-MoE's config nulls the window itself unless `use_sliding_window`.
+_WHOLE_MODEL_WINDOW = ("mistral", "mixtral", "qwen3_moe")
+
 
 def _layer_sliding_window(config, layer_id: int) -> int | None:
-    """The window of one layer: from `layer_types` when the config has it, else Mistral's."""
+    """The window of one layer: from `layer_types` when the config has it, else the family's."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
         return window if layer_types[layer_id] == "sliding_attention" else None
-    return window if config.model_type == "mistral" else None
+    return window if config.model_type in _WHOLE_MODEL_WINDOW else None
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -89,15 +104,24 @@ class LlamaDecoderLayer(nn.Module):
     `forward` takes and returns `(hidden, residual)`, where the layer's input is
     `hidden + residual` (residual None for the first layer): the add is fused into
     the next norm, as in SGLang.
+
+    Families change a part by subclassing: `attention_cls` (Qwen3's q/k norms) and
+    `make_mlp` (a sparse MoE block in Mixtral and Qwen3-MoE).
     """
+
+    attention_cls: type[LlamaAttention] = LlamaAttention
 
     def __init__(self, config, layer_id: int, head_dim: int, dtype, device, attn_backend, ops: LayerOps):
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, ops)
-        self.self_attn = LlamaAttention(config, layer_id, head_dim, dtype, device, attn_backend, ops)
+        self.self_attn = self.attention_cls(config, layer_id, head_dim, dtype, device, attn_backend, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, ops)
-        self.mlp = GatedMLP(
+        self.mlp = self.make_mlp(config, layer_id, dtype, device, ops)
+
+    def make_mlp(self, config, layer_id: int, dtype, device, ops: LayerOps) -> nn.Module:
+        """The feed-forward block of layer `layer_id`: (num_tokens, hidden) -> (num_tokens, hidden)."""
+        return GatedMLP(
             config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)), dtype, device, ops
         )
 
@@ -117,12 +141,15 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm (Hugging Face's `model.*` weights)."""
 
-    def __init__(self, config, dtype, device, attn_backend: AttentionBackend, ops: LayerOps):
+    def __init__(
+        self, config, dtype, device, attn_backend: AttentionBackend, ops: LayerOps,
+        layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer,
+    ):
         super().__init__()
         head_dim = head_dim_of(config)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, head_dim, dtype, device, attn_backend, ops)
+            layer_cls(config, i, head_dim, dtype, device, attn_backend, ops)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops)
@@ -157,6 +184,8 @@ class LlamaForCausalLM(nn.Module):
         For an unsupported rope_type.
     """
 
+    # The decoder layer of the family (subclasses set their own).
+    decoder_layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer
     # Hugging Face projection name -> (our fused module, shard)
     _STACKED = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -175,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         self.ops = ops if ops is not None else layer_ops(device)
-        self.model = LlamaModel(config, dtype, device, attn_backend, self.ops)
+        self.model = LlamaModel(config, dtype, device, attn_backend, self.ops, self.decoder_layer_cls)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device, self.ops)
         if self.tie_word_embeddings:

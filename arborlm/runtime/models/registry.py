@@ -42,6 +42,10 @@ MODELS: tuple[ModelEntry, ...] = (
     ModelEntry("LlamaForCausalLM", "llama", "llama", "arborlm.runtime.models.llama:LlamaForCausalLM"),
     ModelEntry("Qwen2ForCausalLM", "qwen2", "qwen2", "arborlm.runtime.models.llama:LlamaForCausalLM"),
     ModelEntry("MistralForCausalLM", "mistral", "mistral", "arborlm.runtime.models.llama:LlamaForCausalLM"),
+    ModelEntry("Qwen3ForCausalLM", "qwen3", "qwen3", "arborlm.runtime.models.qwen3:Qwen3ForCausalLM"),
+    ModelEntry("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3moe", "arborlm.runtime.models.qwen3_moe:Qwen3MoeForCausalLM"),
+    # GGUF files of Mixtral say "llama" (with expert counts): not told apart from Llama yet.
+    ModelEntry("MixtralForCausalLM", "mixtral", None, "arborlm.runtime.models.mixtral:MixtralForCausalLM"),
 )
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(e.architecture for e in MODELS)
