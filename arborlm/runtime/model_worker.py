@@ -40,10 +40,12 @@ class LogprobInfo:
 
 
 class Sampled(NamedTuple):
-    """Sampler output of one step: a token per request and its `LogprobInfo` (None unless asked)."""
+    """Sampler output of one step: a token per request and its `LogprobInfo` (None unless asked);
+    `invalid_rows`: indices of the requests whose logits were not finite (their token is meaningless)."""
 
     token_ids: list[int]
     logprob_infos: list[LogprobInfo | None]
+    invalid_rows: tuple[int, ...] = ()
 
 
 @dataclass
@@ -88,12 +90,16 @@ class GenerationResult:
         tokens this step scored when it asked, else None.
     accept_lens: reserved for speculative decoding, where a request may take
         several tokens in one step; None means one token per sampled request.
+    invalid_rows: positions in `next_token_ids` whose logits or probabilities
+        were not finite (NaN, inf, every token masked): the scheduler aborts
+        those requests alone and ignores their token.
     """
 
     next_token_ids: list[int]
     logprob_infos: list[LogprobInfo | None]
     prompt_logprobs: list[PromptLogprobs | None]
     accept_lens: list[int] | None = None
+    invalid_rows: tuple[int, ...] = ()
 
 
 class Worker(Protocol):
@@ -206,7 +212,9 @@ class ModelWorker:
         if len(batch.sample_rows) != len(batch.reqs):
             logits = logits[batch.sample_rows]
         sampled = self.sample([batch.reqs[i] for i in batch.sample_rows], logits)
-        return GenerationResult(sampled.token_ids, sampled.logprob_infos, prompt_logprobs)
+        return GenerationResult(
+            sampled.token_ids, sampled.logprob_infos, prompt_logprobs, invalid_rows=sampled.invalid_rows
+        )
 
     def sample(self, reqs: list[Req], logits: torch.Tensor) -> Sampled:
         """Pick one token per request: `logits` (len(reqs), V) float32, grammar-masked in place first."""
@@ -242,7 +250,7 @@ class ModelWorker:
                 k = req.top_logprobs_num
                 top = list(zip(out.top_logprobs.top_values[i, :k].tolist(), out.top_logprobs.top_ids[i, :k].tolist()))
             infos.append(LogprobInfo(float(out.logprobs[i]), token_ids[i], top))
-        return Sampled(token_ids, infos)
+        return Sampled(token_ids, infos, out.invalid_rows)
 
     def _eos_ids(self, req: Req) -> list[int]:
         # A grammar decides itself when EOS may come; min_new_tokens must not mask the only legal token.

@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 # Seconds the loop waits for a grammar compile when it has nothing else to run.
 GRAMMAR_POLL_S = 0.005
+# What a client reads when its step failed: the exception itself goes to the log only.
+STEP_FAILED_MESSAGE = "internal error: the step running this request failed (details are in the server log)"
+NON_FINITE_MESSAGE = "internal error: the model produced non-finite logits for this request"
 
 
 class Scheduler:
@@ -107,6 +110,7 @@ class Scheduler:
             "num_grammar_failures": 0,
             "num_jump_forward_tokens": 0,
             "num_jump_forward_steps": 0,
+            "num_non_finite_aborts": 0,
         }
 
     @property
@@ -433,7 +437,11 @@ class Scheduler:
                 self.kv.cache_prefilled_prefix(req)
         outputs = self._finish_prefill_only(batch)
         sampled = [batch.reqs[i] for i in batch.sample_rows]
-        for req, token_id, logprob_info in zip(sampled, result.next_token_ids, result.logprob_infos):
+        invalid = set(result.invalid_rows)
+        for j, (req, token_id, logprob_info) in enumerate(zip(sampled, result.next_token_ids, result.logprob_infos)):
+            if j in invalid:
+                outputs.append(self._abort_non_finite(req))
+                continue
             forced = self._append_token(req, token_id)
             outputs.append(self.output_processor.make_output(req, [token_id, *forced], logprob_info))
             if req.finished:
@@ -469,6 +477,16 @@ class Scheduler:
         self.output_processor.check_finished(req)
         return self.jump_forward(req)
 
+    def _abort_non_finite(self, req: Req) -> ReqOutput:
+        """Abort one request whose logits were not finite; the rest of its step goes on."""
+        logger.error("request %s: non-finite logits or probabilities; aborting it alone", req.rid)
+        self.stats["num_non_finite_aborts"] += 1
+        req.finish_reason = {"type": "abort", "message": NON_FINITE_MESSAGE}
+        self.kv.release_req(req)
+        if self.chunked_req is req:
+            self.chunked_req = None
+        return self.output_processor.make_output(req, [])
+
     def _abort_flagged(self, batch: ScheduleBatch) -> list[ReqOutput]:
         """Finish the requests of this step that an abort flagged while they ran."""
         outputs = []
@@ -486,7 +504,8 @@ class Scheduler:
         logger.error("forward step failed; aborting its %d request(s)", len(batch.reqs), exc_info=error)
         outputs = []
         for req in batch.reqs:
-            req.finish_reason = {"type": "abort", "message": f"internal error: {error}"}
+            # The exception's text (paths, torch messages) goes to the log, not to clients.
+            req.finish_reason = {"type": "abort", "message": STEP_FAILED_MESSAGE}
             self.kv.release_req(req)
             outputs.append(self.output_processor.make_output(req, []))
         self.running = [r for r in self.running if not r.finished]

@@ -229,3 +229,22 @@ def test_bad_server_arguments_fail_before_starting(kwargs, error):
 
     with pytest.raises(error, match=next(iter(kwargs)).replace("model", "model_path")):
         arborlm.Engine(**kwargs)
+
+
+@pytest.mark.parametrize("hostile", [
+    {"temperature": 1e-40},
+    {"temperature": 5e-324},
+    {"temperature": 0.9, "repetition_penalty": 1e-30, "seed": 3},
+    {"temperature": 0.9, "repetition_penalty": 1e30, "seed": 3},
+])
+def test_underflowing_sampling_params_do_not_hurt_the_batch(engine, hostile):
+    """Issue 16: a temperature that underflows float32 or a penalty near 0 made the sampler
+    produce NaN, and torch.multinomial then aborted every request of the step. Now the tiny
+    temperature is greedy, the penalty is clamped, and every request of the batch finishes."""
+    prompts = ["neighbour one", "the hostile one", "neighbour two"]
+    params = [GREEDY, {**GREEDY, **hostile}, GREEDY]
+    outs = engine.generate(prompts, params)
+    assert [o["meta_info"]["finish_reason"]["type"] for o in outs] == ["length"] * 3
+    assert outs[0]["output_ids"] == engine.generate(prompts[0], GREEDY)["output_ids"]
+    if hostile.get("temperature", 1) < 1e-5:
+        assert outs[1]["output_ids"] == engine.generate(prompts[1], GREEDY)["output_ids"]

@@ -108,7 +108,9 @@ class ScriptedWorker:
     as a wrong prefix (a cache, chunking or retraction bug).
 
     `fail_at`: step numbers (1-based calls) at which it raises instead, or
-    (`malformed_at`) returns one token too few.
+    (`malformed_at`) returns one token too few. `non_finite_at`: step number ->
+    request ids whose row that step reports as non-finite (as the sampler
+    does for NaN/inf logits).
     """
 
     def __init__(self, server_args: ServerArgs, scripts: dict[str, list[int]]):
@@ -127,6 +129,7 @@ class ScriptedWorker:
         self.num_steps = 0
         self.fail_at: set[int] = set()
         self.malformed_at: set[int] = set()
+        self.non_finite_at: dict[int, set[str]] = {}
         self.kv_errors: list[str] = []
         self.step_rids: list[list[str]] = []
 
@@ -144,7 +147,9 @@ class ScriptedWorker:
         tokens = [self.scripts[r.rid][len(r.output_ids)] for r in sampled]
         if self.num_steps in self.malformed_at:
             tokens = tokens[:-1]
-        return GenerationResult(tokens, [None] * len(tokens), [None] * len(batch.reqs))
+        poisoned = self.non_finite_at.get(self.num_steps, set())
+        invalid = tuple(j for j, r in enumerate(sampled) if r.rid in poisoned)
+        return GenerationResult(tokens, [None] * len(tokens), [None] * len(batch.reqs), invalid_rows=invalid)
 
     def _check_kv(self, batch: ModelWorkerBatch) -> None:
         k, v = self.token_to_kv_pool.get_kv_buffer(0)

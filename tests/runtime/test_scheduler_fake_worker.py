@@ -155,6 +155,33 @@ def test_worker_failure_aborts_only_its_step(failure):
     assert result.finish["c"] == {"type": "length", "length": 6}
 
 
+@pytest.mark.parametrize("step", [1, 3])
+def test_a_non_finite_row_aborts_only_its_request(step):
+    """A row the sampler flags as non-finite (NaN/inf logits: an underflowing temperature, a
+    broken penalty) aborts that request alone, with a generic message and its memory back;
+    the other requests of the same step go on to their scripts (issue: one request must not
+    hurt the others)."""
+    sched = create_fake_scheduler({rid: script(rid) for rid in "abc"})
+    sched.worker.non_finite_at[step] = {"b"}
+    reqs = [make_req(rid, prompt(ord(rid), shared=False), max_new_tokens=6, ignore_eos=True) for rid in "abc"]
+    result = run_to_completion(sched, reqs)
+    assert result.finish["b"]["type"] == "abort"
+    assert result.finish["b"]["message"] == "internal error: the model produced non-finite logits for this request"
+    assert len(result.tokens["b"]) == step - 1  # nothing of the poisoned step reaches the client
+    for rid in "ac":
+        assert result.tokens[rid] == script(rid)[:6]
+        assert result.finish[rid] == {"type": "length", "length": 6}
+    assert sched.stats["num_non_finite_aborts"] == 1
+
+
+def test_step_failure_message_hides_the_exception():
+    sched = create_fake_scheduler({"a": script("a")})
+    sched.worker.fail_at.add(1)
+    result = run_to_completion(sched, [make_req("a", prompt(1, shared=False), max_new_tokens=4, ignore_eos=True)])
+    assert result.finish["a"]["type"] == "abort"
+    assert "injected" not in result.finish["a"]["message"]
+
+
 def test_injected_worker_needs_a_tokenizer():
     sched = create_fake_scheduler({})
     with pytest.raises(ValueError, match="tokenizer"):
