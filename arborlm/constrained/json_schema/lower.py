@@ -111,6 +111,7 @@ from typing import Any
 from jsonschema import validators as js_validators
 
 from arborlm.constrained.keys import GrammarError
+from arborlm.constrained.json_schema.budgeted_validator import budgeted_validator_class
 from arborlm.constrained.json_schema.merge import SchemaMerge
 from arborlm.constrained.json_schema.nodes import (
     DEFS_PREFIX,
@@ -135,7 +136,6 @@ from arborlm.constrained.json_schema.patterns import (
     full_match_pattern,
     has_lookaround,
     is_vacuous,
-    pattern_search,
     pattern_with_lengths,
     separator_first_repeat,
     strip_lookarounds,
@@ -167,20 +167,23 @@ def lower_document(root_a: Schema, normaliser: Normaliser) -> Lowered:
     """
     doc_a = dict(root_a) if isinstance(root_a, dict) else {}
     doc_a["$defs"] = normaliser.defs_a  # the live table: merges during phase B may add entries
-    checker = js_validators.Draft202012Validator(doc_a)
+    # Enum values and property names are checked with the budget's searches, not `re`'s.
+    checker = budgeted_validator_class(js_validators.Draft202012Validator, normaliser.merger.budget)(doc_a)
     false_defs: set[str] = set()
     while True:
         lowering = SchemaLowering(normaliser.merger, checker, false_defs)
         root_b = lowering.lower(root_a, "")
         while lowering.pending:
             name = lowering.pending.pop()
-            lowering.defs[name] = lowering.lower(normaliser.defs_a[name], normaliser.def_path(name))
+            # `def_a`, not `defs_a[name]`: a merge during this pass may have deferred a new entry.
+            lowering.defs[name] = lowering.lower(normaliser.def_a(name), normaliser.def_path(name))
         newly_false = {n for n, s in lowering.defs.items() if s is False} - false_defs
         if not newly_false:
             break
         false_defs |= newly_false
     if root_b is False:
-        raise GrammarError("json_schema accepts no value (its constraints contradict each other)", PARAM)
+        raise GrammarError("json_schema accepts no value (its constraints contradict each other)"
+                           + "".join(f"; {why}" for why in lowering.emptied_enums[:1]), PARAM)
     doc = dict(root_b)
     if lowering.defs:
         doc["$defs"] = {name: lowering.defs[name] for name in sorted(lowering.defs)}
@@ -190,21 +193,26 @@ def lower_document(root_a: Schema, normaliser: Normaliser) -> Lowered:
 class SchemaLowering:
     """One pass of phase B: lowers phase A schemas to what xgrammar compiles.
 
-    merger: the phase A conjunction (`merge`, `combine`, `governing`).
+    merger: the phase A conjunction (`merge`, `combine`, `governing`); its
+        `RegexBudget` matches user patterns here too.
     checker: a validator over the phase A document.
     false_defs: names of the ``$defs`` known to accept nothing (lowered to False).
 
     `defs` collects the lowered ``$defs`` a pass reached, `pending` the names still
-    to lower, `problems` what it could not enforce. It never mutates phase A's nodes.
+    to lower, `problems` what it could not enforce, `emptied_enums` the ``enum``s
+    none of whose values the keywords beside them accept (why a schema may accept
+    no value). It never mutates phase A's nodes.
     """
 
     def __init__(self, merger: SchemaMerge, checker: Any, false_defs: set[str]):
         self.merger = merger
+        self.budget = merger.budget
         self.checker = checker
         self.false_defs = false_defs
         self.defs: dict[str, Schema] = {}
         self.pending: list[str] = []
         self.problems = Problems()
+        self.emptied_enums: list[str] = []
 
     # -- phase B: lowering ---------------------------------------------------
 
@@ -227,15 +235,17 @@ class SchemaLowering:
                     key = "anyOf"  # the same language, without xgrammar's "falling back to anyOf" warning
                 return self.merger.combine(key, branches, path)
         if "enum" in node:
-            return self._lower_enum(node)
+            return self._lower_enum(node, path)
         return self._lower_plain(node, path)
 
-    def _lower_enum(self, node: dict) -> Schema:
+    def _lower_enum(self, node: dict, path: str) -> Schema:
         rest = {k: v for k, v in node.items() if k != "enum"}
         values = node["enum"]
         if rest:
             check = self.checker.evolve(schema=rest)
             values = [v for v in values if check.is_valid(v)]
+            if not values:
+                self.emptied_enums.append(_emptied_enum(rest, path))
         return {"enum": values} if values else False
 
     def _lower_plain(self, node: dict, path: str) -> Schema:
@@ -330,7 +340,7 @@ class SchemaLowering:
 
     def _usable_pattern(self, pattern: str, path: str) -> str | None:
         """The pattern xgrammar can enforce; None when it says nothing or has to be dropped."""
-        if is_vacuous(pattern):
+        if is_vacuous(pattern, self.budget):
             return None
         if re.match(r"\(\?[a-zA-Z]+\)", pattern):
             self.problems.add("pattern", path, f"inline flags in {pattern!r} are not ECMA-262 syntax")
@@ -378,7 +388,7 @@ class SchemaLowering:
             if name not in names:
                 names[name] = self.merger.governing(node, name, path)
         for name in node.get("properties", {}):
-            matching = [s for p, s in patterns.items() if pattern_search(p, name)]
+            matching = [s for p, s in patterns.items() if self.budget.search(p, name)]
             if matching:
                 names[name] = self.merger.merge([names[name], *matching], path)
         property_names = self.lower(node.get("propertyNames", {}), f"{path}/propertyNames")
@@ -456,12 +466,12 @@ class SchemaLowering:
         patterns (full-match, as xgrammar reads them).
         """
         if patterns and additional not in (None, False):
-            if any(full_match_pattern(p) == "^.*$" or is_vacuous(p) for p in patterns):
+            if any(full_match_pattern(p) == "^.*$" or is_vacuous(p, self.budget) for p in patterns):
                 additional = None  # every key matches a pattern: none is left for it
             else:
                 self.problems.add("additionalProperties", path, "beside patternProperties, xgrammar may give "
                                   "a key that matches a pattern the additionalProperties schema")
-        open_names = [n for n in forbidden if not any(pattern_search(p, n) for p in patterns)]
+        open_names = [n for n in forbidden if not any(self.budget.search(p, n) for p in patterns)]
         if open_names and additional is None and (listed or patterns):
             additional = False  # xgrammar's strict mode admits no unlisted name there anyway
         elif open_names and additional is None:
@@ -476,8 +486,8 @@ class SchemaLowering:
                 additional = False
         by_pattern: dict[str, list[str]] = {}
         for p, schema in patterns.items():
-            clash = [n for n, s in listed.items() if pattern_search(p, n) and canon(s) != canon(schema)]
-            by_pattern[p] = clash + [n for n in forbidden if pattern_search(p, n)]
+            clash = [n for n, s in listed.items() if self.budget.search(p, n) and canon(s) != canon(schema)]
+            by_pattern[p] = clash + [n for n in forbidden if self.budget.search(p, n)]
         if any(n in forbidden for ns in by_pattern.values() for n in ns) and additional is None:
             additional = False  # the excluded names must not fall to an open additionalProperties
         kept = {}
@@ -516,3 +526,10 @@ class SchemaLowering:
                                                      "a listed property take the additionalProperties schema")
             return additional, patterns, property_names
         return False, {narrowed: additional}, {}
+
+
+def _emptied_enum(rest: dict, path: str) -> str:
+    """Why an ``enum`` at ``path`` lost every value to the keywords beside it (``rest``), for the error."""
+    pattern = f", pattern {rest['pattern']!r}" if "pattern" in rest else ""
+    return (f"no value of the enum at {path or '/'} satisfies the keywords beside it "
+            f"({', '.join(sorted(rest))}{pattern})")

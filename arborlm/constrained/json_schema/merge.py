@@ -24,7 +24,7 @@ from arborlm.constrained.json_schema.nodes import (
     tighter,
     upper_bound,
 )
-from arborlm.constrained.json_schema.patterns import pattern_search
+from arborlm.constrained.json_schema.regex_budget import RegexBudget
 from arborlm.constrained.json_schema.values import json_intersection
 
 
@@ -42,11 +42,14 @@ class SchemaMerge:
     problems: where a keyword that cannot be enforced is recorded.
     refs: conjoins parts that hold ``$ref``s (the normaliser, which may defer
         them into new ``$defs`` entries).
+    budget: matches property names against ``patternProperties`` patterns
+        (`governing`); its `PatternTimeout` passes through.
     """
 
-    def __init__(self, problems: Problems, refs: References):
+    def __init__(self, problems: Problems, refs: References, budget: RegexBudget):
         self.problems = problems
         self.refs = refs
+        self.budget = budget
 
     # -- phase A: conjunction ------------------------------------------------
 
@@ -212,7 +215,7 @@ class SchemaMerge:
         """The schema ``node`` applies to the value of property ``name``."""
         if name in node.get("properties", {}):
             return node["properties"][name]
-        matching = [s for p, s in node.get("patternProperties", {}).items() if pattern_search(p, name)]
+        matching = [s for p, s in node.get("patternProperties", {}).items() if self.budget.search(p, name)]
         if matching:
             return self.merge(matching, path)
         return node.get("additionalProperties", {})

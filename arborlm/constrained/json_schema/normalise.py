@@ -61,6 +61,7 @@ from arborlm.constrained.json_schema.nodes import (
     type_set,
     upper_bound,
 )
+from arborlm.constrained.json_schema.regex_budget import RegexBudget
 from arborlm.constrained.json_schema.values import json_intersection, unique
 
 # Most conjunctions of recursive references one schema may defer into new $defs entries.
@@ -97,9 +98,12 @@ class Normaliser:
         The user's schema (an object), checked against its dialect.
     cls:
         The ``jsonschema`` validator class of its dialect (a key of `DRAFT_YEAR`).
+    budget:
+        Matches user patterns against user strings, here and in the merges
+        (`SchemaMerge.budget`); its `PatternTimeout` passes through.
     """
 
-    def __init__(self, root: dict, cls: type):
+    def __init__(self, root: dict, cls: type, budget: RegexBudget):
         self.root = root
         self.year = DRAFT_YEAR[cls]
         self.keywords = frozenset(cls.VALIDATORS).union(
@@ -116,7 +120,7 @@ class Normaliser:
         self.deferred: dict[str, list[Schema]] = {}  # name -> the parts of a deferred conjunction
         self.deferred_names: dict[tuple, str] = {}
         self.problems = Problems()
-        self.merger = SchemaMerge(self.problems, self)
+        self.merger = SchemaMerge(self.problems, self, budget)
 
     # -- driver --------------------------------------------------------------
 

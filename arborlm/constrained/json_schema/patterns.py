@@ -6,13 +6,16 @@ xgrammar matches a regex against the whole string. These helpers turn a search
 pattern into a full-match one, fold ``minLength``/``maxLength`` into it, exclude
 words (for ``not: {enum: ...}``), drop lookarounds the grammar cannot express,
 and ask xgrammar whether it accepts a pattern. `lower` calls them while
-lowering a schema (and `merge` uses `pattern_search`).
+lowering a schema. Matching a pattern against text (a user's strings) goes
+through the job's `RegexBudget` (`regex_budget`), never through `re`.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+
+from arborlm.constrained.json_schema.regex_budget import RegexBudget
 
 # Smallest bound `pattern_with_lengths` puts on a repeat to fit maxLength (below it: refuse).
 MIN_REPEAT_CAP = 4
@@ -172,13 +175,16 @@ def _fold_lengths(pattern: str, min_length: int, max_length: int | None) -> str 
     return f"^{m.group(2)}{{{low},{'' if high is None else high}}}$"
 
 
-def is_vacuous(pattern: str) -> bool:
+def is_vacuous(pattern: str, budget: RegexBudget) -> bool:
     """True when every string contains a match: the empty string matches, and nothing but
-    ``^`` asserts anything about the text around a match (an empty match at 0 always exists)."""
+    ``^`` asserts anything about the text around a match (an empty match at 0 always exists).
+
+    Raises `PatternTimeout` when matching the empty string outlives ``budget``.
+    """
     tokens = _regex_tokens(pattern)
     if any(t == "$" or t in ("\\Z", "\\b", "\\B", "\\z") for t in tokens):
         return False
-    return not has_lookaround(pattern) and pattern_search(pattern, "")
+    return not has_lookaround(pattern) and budget.search(pattern, "")
 
 
 def _regex_width(pattern: str) -> tuple[int, int | None] | None:
@@ -326,11 +332,6 @@ def _char_class(chars: list[str], negate: bool = False) -> str:
 
     body = "".join(one(a) if a == b else one(a) + ("" if b == a + 1 else "-") + one(b) for a, b in runs)
     return "[^" + body + "\\n]" if negate else "[" + body + "]"
-
-
-@functools.lru_cache(maxsize=1024)
-def pattern_search(pattern: str, text: str) -> bool:
-    return re.search(pattern, text) is not None
 
 
 @functools.lru_cache(maxsize=1024)

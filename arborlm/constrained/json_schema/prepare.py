@@ -20,6 +20,7 @@ from arborlm.constrained.json_schema.nodes import PARAM, Problem, first_of_each
 from arborlm.constrained.json_schema.normalise import Normaliser
 from arborlm.constrained.json_schema.parse import dialect_of, load_schema, validator_class
 from arborlm.constrained.json_schema.policy import XGRAMMAR_POLICY, SchemaForm, SchemaPolicy
+from arborlm.constrained.json_schema.regex_budget import PREPARE_REGEX_BUDGET_S, RegexBudget
 
 # Most refused keywords named in one error message.
 MAX_NAMED_PROBLEMS = 8
@@ -48,7 +49,8 @@ class PreparedSchema:
 
 
 def prepare_json_schema(
-    schema: str | dict | bool, *, lenient: bool = False, policy: SchemaPolicy = XGRAMMAR_POLICY
+    schema: str | dict | bool, *, lenient: bool = False, policy: SchemaPolicy = XGRAMMAR_POLICY,
+    regex_budget_s: float = PREPARE_REGEX_BUDGET_S,
 ) -> PreparedSchema:
     """Check ``schema`` and rewrite it into the schema ``policy``'s backend compiles.
 
@@ -65,6 +67,9 @@ def prepare_json_schema(
         The grammar backend's `SchemaPolicy` (``GrammarBackend.schema_policy``).
         The default, xgrammar's, is also what tool calls use: they need
         xgrammar's structural tags.
+    regex_budget_s:
+        Seconds all the searches of the schema's patterns (against its
+        ``enum`` values and property names) may take together (`RegexBudget`).
 
     Returns
     -------
@@ -79,14 +84,16 @@ def prepare_json_schema(
         path). In the xgrammar form also: a ``$ref`` cannot be resolved inside
         the schema, the schema accepts no value, or (unless ``lenient``) it
         uses keywords the grammar cannot enforce (each named with its JSON
-        pointer). When lenient: what ``policy.relax`` still refuses.
+        pointer), or matching its patterns outlives ``regex_budget_s``
+        (`PatternTimeout`, naming the pattern). When lenient: what
+        ``policy.relax`` still refuses.
     """
     raw = load_schema(schema)
     cls = validator_class(raw)
     original = json.dumps(raw, sort_keys=True)
     if raw is False:
         raise GrammarError("json_schema is `false`, which accepts no value", PARAM)
-    text, problems = _rewrite(raw, cls, policy.form)
+    text, problems = _rewrite(raw, cls, policy.form, RegexBudget(regex_budget_s))
     if problems and not lenient:
         raise GrammarError(_refusal_message(problems), PARAM)
     dropped = tuple(f"{keyword} at {path or '/'}" for keyword, path, _ in problems)
@@ -97,7 +104,7 @@ def prepare_json_schema(
     return PreparedSchema(text, original, dropped, dialect_of(cls))
 
 
-def _rewrite(raw: dict | bool, cls: type, form: SchemaForm) -> tuple[str, list[Problem]]:
+def _rewrite(raw: dict | bool, cls: type, form: SchemaForm, budget: RegexBudget) -> tuple[str, list[Problem]]:
     """The text of ``raw`` in ``form``, and what that form cannot enforce.
 
     Property order is kept in every form: backends emit properties in schema
@@ -107,7 +114,7 @@ def _rewrite(raw: dict | bool, cls: type, form: SchemaForm) -> tuple[str, list[P
         return "{}", []
     if form is SchemaForm.AS_WRITTEN:
         return json.dumps(raw), []
-    normaliser = Normaliser(raw, cls)
+    normaliser = Normaliser(raw, cls, budget)
     root_a = normaliser.run()
     lowered = lower_document(root_a, normaliser)
     # Merges made while lowering record their problems with phase A's, which come first.
