@@ -142,7 +142,12 @@ TINY = dict(
     intermediate_size=96, max_position_embeddings=256, tie_word_embeddings=False,
 )
 # What sets a family apart, small enough to show in a short prompt (Qwen2's q/k/v biases are on by default).
-TINY_EXTRA = {"mistral": {"sliding_window": 4}}
+TINY_EXTRA = {
+    "mistral": {"sliding_window": 4},
+    "gemma3_text": {"sliding_window": 4},
+    # Phi-3's default token ids (32000) lie outside the tiny vocabulary.
+    "phi3": {"sliding_window": 4, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+}
 
 
 def tiny_checkpoint(folder, model_type: str):

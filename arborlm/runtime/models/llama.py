@@ -11,7 +11,9 @@ them and normalises (`fused_add_rms_norm`). The model runner calls
 `forward(forward_batch)` once per step; `models/registry.py` maps the config's
 architecture names here. Qwen3, Qwen3-MoE and Mixtral (`qwen3.py`, `qwen3_moe.py`,
 `mixtral.py`) reuse it through the decoder layer's `attention_cls` / `make_mlp`
-hooks and `LlamaForCausalLM.decoder_layer_cls`.
+hooks and `LlamaForCausalLM.decoder_layer_cls`. Phi-3 (`phi3.py`) is this model
+with its fused checkpoint split at load; its partial and LongRoPE rotary come from
+`get_rope` / `apply_rotary_` like every family's.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from arborlm.runtime.layers.layernorm import RMSNorm
 from arborlm.runtime.layers.linear import Linear, MergedLinear
 from arborlm.runtime.layers.mlp import GATE_SHARD, UP_SHARD, GatedMLP
 from arborlm.runtime.layers.radix_attention import RadixAttention
-from arborlm.runtime.layers.rotary_embedding import RotaryEmbedding
+from arborlm.runtime.layers.rotary_embedding import apply_rotary_, get_rope
 from arborlm.runtime.layers.vocab_embedding import VocabEmbedding
 from arborlm.runtime.models.weight_utils import load_stacked_weights
 
@@ -71,7 +73,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k rotate together: one kernel call over (num_tokens, heads + kv_heads, head_dim).
-        qk = self.ops.rotary_(self.norm_qk(qk.view(num_tokens, -1, self.head_dim)), rotary)
+        qk = apply_rotary_(self.ops, self.norm_qk(qk.view(num_tokens, -1, self.head_dim)), rotary)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return self.o_proj(self.attn(q, k, v, forward_batch))
 
@@ -86,7 +88,7 @@ class LlamaAttention(nn.Module):
 # Families whose `sliding_window` (when set) covers every layer; in the others (Qwen2, whose
 # config keeps a window it does not use unless `layer_types` says so) only `layer_types` counts.
 # Qwen3-MoE's config nulls the window itself unless `use_sliding_window`.
-_WHOLE_MODEL_WINDOW = ("mistral", "mixtral", "qwen3_moe")
+_WHOLE_MODEL_WINDOW = ("mistral", "mixtral", "qwen3_moe", "phi3")
 
 
 def _layer_sliding_window(config, layer_id: int) -> int | None:
@@ -153,14 +155,14 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops)
-        self.rotary_emb = RotaryEmbedding(config, head_dim, config.max_position_embeddings, dtype, device)
+        self.rotary_emb = get_rope(config, head_dim, config.max_position_embeddings, dtype, device)
         self.attn_backend = attn_backend
 
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """(num_tokens, hidden_size) hidden states of the new tokens, before the final norm."""
         self.attn_backend.init_forward_metadata(forward_batch)
         hidden = self.embed_tokens(forward_batch.input_ids)
-        rotary = self.rotary_emb.step(forward_batch.positions)
+        rotary = self.rotary_emb.step(forward_batch.positions, forward_batch)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rotary, forward_batch)

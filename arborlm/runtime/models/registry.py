@@ -46,6 +46,8 @@ MODELS: tuple[ModelEntry, ...] = (
     ModelEntry("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3moe", "arborlm.runtime.models.qwen3_moe:Qwen3MoeForCausalLM"),
     # GGUF files of Mixtral say "llama" (with expert counts): not told apart from Llama yet.
     ModelEntry("MixtralForCausalLM", "mixtral", None, "arborlm.runtime.models.mixtral:MixtralForCausalLM"),
+    ModelEntry("Gemma3ForCausalLM", "gemma3_text", "gemma3", "arborlm.runtime.models.gemma3:Gemma3ForCausalLM"),
+    ModelEntry("Phi3ForCausalLM", "phi3", "phi3", "arborlm.runtime.models.phi3:Phi3ForCausalLM"),
 )
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(e.architecture for e in MODELS)
