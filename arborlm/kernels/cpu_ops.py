@@ -96,16 +96,22 @@ def _cpu_signature() -> str:
     return "\n".join(keep) or platform.machine()
 
 
-def library_path(cache_dir: Path, compiler: str) -> Path:
-    """Where the library built from the current source, flags and CPU lives."""
+def library_path(
+    cache_dir: Path, compiler: str, sources: tuple[Path, ...] | None = None, stem: str = "cpu_kernels"
+) -> Path:
+    """Where the library built from the current sources (default `SOURCE`; headers
+    included), flags and CPU lives."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CXX_FLAGS).encode(), compiler.encode(), _cpu_signature().encode()):
+    parts = [src.read_bytes() for src in sources or (SOURCE,)]
+    for part in (*parts, " ".join(CXX_FLAGS).encode(), compiler.encode(), _cpu_signature().encode()):
         key.update(part)
-    return cache_dir / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    return cache_dir / "kernels" / f"{stem}-{key.hexdigest()[:16]}.so"
 
 
-def build_library(cache_dir: Path) -> Path:
-    """Compile `csrc/cpu_kernels.cpp` into `cache_dir/kernels/` unless already there.
+def build_library(cache_dir: Path, sources: tuple[Path, ...] | None = None, stem: str = "cpu_kernels") -> Path:
+    """Compile the `.cpp` files of `sources` (default `csrc/cpu_kernels.cpp`) into one
+    library `cache_dir/kernels/<stem>-<key>.so` unless already there; the other files
+    (headers) count in the key only.
 
     Raises
     ------
@@ -115,7 +121,8 @@ def build_library(cache_dir: Path) -> Path:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise KernelBuildError("no C++ compiler (g++ or $CXX) on PATH")
-    target = library_path(cache_dir, compiler)
+    sources = sources or (SOURCE,)
+    target = library_path(cache_dir, compiler, sources, stem)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -123,9 +130,8 @@ def build_library(cache_dir: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run(
-            [compiler, *CXX_FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300
-        )
+        cpp_files = [str(src) for src in sources if src.suffix == ".cpp"]
+        done = subprocess.run([compiler, *CXX_FLAGS, *cpp_files, "-o", tmp], capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise KernelBuildError(f"{compiler} failed: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)

@@ -1,0 +1,264 @@
+// The quantized linear layer: out = x W^T (+ bias) for a weight W kept in its GGUF
+// quantization (Q8_0, Q4_0, Q4_1; layout in quant_layout.h), dequantized in
+// registers, never in memory.
+//
+// Why: a decode step reads every weight once for a few rows of activations, so
+// its time is the bytes it streams; a 4-bit weight streams a quarter of bf16's.
+// As in llama.cpp's `ggml_vec_dot_q4_1_q8_1` family, the activations are first
+// quantized per block of 32 to int8 with a float scale (and the sum of their
+// quants, which carries the weight's offset and min), then each block's dot
+// product is integer: VNNI `vpdpbusd` (uint8 weight x int8 activation, 4 products
+// per 32-bit lane). The row-tiled layout gives each of 16 output rows its own
+// lane, so a block's scales apply to 16 rows at once and a tile's outputs leave
+// in one register. Written from the formats' math, not copied.
+//
+//   y[m, n] = sum_b d_w[n,b] d_a[m,b] (sum_i q_w[n,b,i] q_a[m,b,i] - offset s_a[m,b])
+//             + m_w[n,b] d_a[m,b] s_a[m,b]
+//
+// OpenMP splits the row tiles; each thread streams its tiles' weights once per
+// call, unpacking each block into registers once for up to kRowsPerPass
+// activation rows (decode batches fit in L2). Builds without AVX-512 VNNI run
+// the same sums in scalar code.
+// Plain C ABI over raw pointers, called through ctypes (`kernels/quant_ops.py`).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "quant_layout.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define ARBORLM_QUANT_AVX512 1
+#include <immintrin.h>
+#endif
+
+using namespace arborlm_quant;
+
+namespace {
+
+// ---- activations -> int8 blocks ---------------------------------------------
+
+// Quantize one row of K values (dtype `dtype`) to int8 blocks, ggml's Q8_0 rule:
+// d = max|x| / 127, q = round(x / d); also the per-block sum of q.
+void quantize_row(const void* x, int dtype, int64_t K, int8_t* q, float* d, int32_t* s) {
+  float v[kBlock];
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      v[i] = load_value(x, dtype, b * kBlock + i);
+      amax = std::max(amax, std::fabs(v[i]));
+    }
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      // A NaN activation quantizes to 0 here; its row's output is garbage either way.
+      const int32_t qi = static_cast<int32_t>(std::nearbyint(std::min(127.0f, std::max(-127.0f, v[i] * inv))));
+      q[b * kBlock + i] = static_cast<int8_t>(qi);
+      sum += qi;
+    }
+    d[b] = amax / 127.0f;
+    s[b] = sum;
+  }
+}
+
+struct Activations {
+  const int8_t* q;   // (M, K), value order
+  const float* d;    // (M, K / 32)
+  const int32_t* s;  // (M, K / 32)
+};
+
+struct Weight {
+  const uint8_t* q;   // (tiles, nb, chunks, 16, 4)
+  const uint16_t* d;  // (tiles, nb, 16) fp16
+  const uint16_t* m;  // the same for Q4_1, else null
+};
+
+// Activation rows unpacked against each weight block while it sits in registers.
+constexpr int kRowsPerPass = 4;
+
+#if defined(ARBORLM_QUANT_AVX512)
+inline __m512 load_f16x16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// One 16-row tile x R activation rows: acc[r] lane l = y[m0 + r, 16 t + l].
+template <int F, int R>
+void tile_rows(const Weight& w, int64_t t, int64_t nb, const Activations& a, int64_t K, int64_t m0, __m512* acc) {
+  constexpr int chunks = F == kQ8_0 ? 8 : 4;
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t blk = t * nb + b;
+    // The block's quants of 16 rows, unpacked once for the R activation rows.
+    __m512i wq[8];
+    const uint8_t* q = w.q + blk * kTile * block_bytes(F);
+    for (int c = 0; c < chunks; ++c) {
+      const __m512i raw = _mm512_loadu_si512(q + c * 64);
+      if constexpr (F == kQ8_0) {
+        wq[c] = raw;
+      } else {
+        wq[c] = _mm512_and_si512(raw, low);
+        wq[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+      }
+    }
+    const __m512 dw = load_f16x16(w.d + blk * kTile);
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const int8_t* x = a.q + m * K + b * kBlock;
+      __m512i dot = _mm512_setzero_si512();
+      for (int c = 0; c < 8; ++c) dot = _mm512_dpbusd_epi32(dot, wq[c], _mm512_set1_epi32(load_i32(x + 4 * c)));
+      const int32_t s = a.s[m * nb + b];
+      const __m512 da = _mm512_set1_ps(a.d[m * nb + b]);
+      if constexpr (F != kQ4_1) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(quant_offset(F) * s));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, da), acc[r]);
+      if constexpr (F == kQ4_1) {
+        acc[r] = _mm512_fmadd_ps(load_f16x16(w.m + blk * kTile), _mm512_mul_ps(da, _mm512_set1_ps(float(s))), acc[r]);
+      }
+    }
+  }
+}
+
+// Round 16 float32 to bf16 as `f32_to_bf16` does (nearest even, NaN kept quiet).
+inline __m256i to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  rounded = _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+// y + bias into the first `cols` columns of out row (dtype `dtype`).
+inline void store_tile(__m512 y, const void* bias, int64_t n0, int64_t cols, void* out, int dtype) {
+  const __mmask16 mask = static_cast<__mmask16>(cols >= kTile ? 0xffff : (1u << cols) - 1);
+  if (bias != nullptr) {
+    const __m512 bv = dtype == kF32
+        ? _mm512_maskz_loadu_ps(mask, static_cast<const float*>(bias) + n0)
+        : _mm512_castsi512_ps(_mm512_slli_epi32(
+              _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(bias) + n0)), 16));
+    y = _mm512_add_ps(y, bv);
+  }
+  if (dtype == kF32) {
+    _mm512_mask_storeu_ps(static_cast<float*>(out) + n0, mask, y);
+  } else {
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out) + n0, mask, to_bf16(y));
+  }
+}
+
+template <int F, int R>
+void run_tile(const Weight& w, int64_t t, int64_t nb, const Activations& a, int64_t K, int64_t m0, int64_t N,
+              const void* bias, void* out, int64_t ldo, int dtype) {
+  __m512 acc[R];
+  tile_rows<F, R>(w, t, nb, a, K, m0, acc);
+  const int64_t elem = dtype == kF32 ? 4 : 2;
+  for (int r = 0; r < R; ++r) {
+    void* row = static_cast<char*>(out) + (m0 + r) * ldo * elem;
+    store_tile(acc[r], bias, t * kTile, N - t * kTile, row, dtype);
+  }
+}
+#else
+template <int F>
+inline int32_t weight_quant(const uint8_t* q, int64_t nb, int64_t n, int64_t b, int64_t i) {
+  const uint8_t byte = q[quant_byte_offset(F, nb, n, b, F == kQ8_0 ? i : i % 16)];
+  if constexpr (F == kQ8_0) return byte;
+  return i < 16 ? (byte & 0x0f) : (byte >> 4);
+}
+
+// The same sums in scalar code, one output at a time.
+template <int F>
+float dot(const Weight& w, int64_t n, int64_t nb, const Activations& a, int64_t m, int64_t K) {
+  float acc = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kBlock; ++i) sum += weight_quant<F>(w.q, nb, n, b, i) * a.q[m * K + b * kBlock + i];
+    const int32_t s = a.s[m * nb + b];
+    const float da = a.d[m * nb + b];
+    sum -= quant_offset(F) * s;
+    acc += static_cast<float>(sum) * (f16_to_f32(w.d[scale_offset(nb, n, b)]) * da);
+    if constexpr (F == kQ4_1) acc += f16_to_f32(w.m[scale_offset(nb, n, b)]) * (da * static_cast<float>(s));
+  }
+  return acc;
+}
+
+template <int F, int R>
+void run_tile(const Weight& w, int64_t t, int64_t nb, const Activations& a, int64_t K, int64_t m0, int64_t N,
+              const void* bias, void* out, int64_t ldo, int dtype) {
+  for (int64_t n = t * kTile; n < std::min(N, (t + 1) * kTile); ++n) {
+    const float bn = bias == nullptr ? 0.0f : load_value(bias, dtype, n);
+    for (int r = 0; r < R; ++r) store_value(out, dtype, (m0 + r) * ldo + n, dot<F>(w, n, nb, a, m0 + r, K) + bn);
+  }
+}
+#endif
+
+// ---- the layer ---------------------------------------------------------------
+
+template <int F>
+void matmul(const Activations& a, int64_t M, int64_t K, const Weight& w, int64_t N, const void* bias, void* out,
+            int64_t ldo, int dtype) {
+  const int64_t nb = K / kBlock, tiles = (N + kTile - 1) / kTile;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < tiles; ++t) {
+    int64_t m0 = 0;
+    for (; m0 + kRowsPerPass <= M; m0 += kRowsPerPass) {
+      run_tile<F, kRowsPerPass>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype);
+    }
+    switch (M - m0) {
+      case 3: run_tile<F, 3>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+      case 2: run_tile<F, 2>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+      case 1: run_tile<F, 1>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int arborlm_quant_abi_version() { return 1; }
+
+// 1 when this build runs the AVX-512 VNNI loops, 0 for the scalar ones.
+int arborlm_quant_simd() {
+#if defined(ARBORLM_QUANT_AVX512)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// Quantize x (M, K) of dtype `dtype` (row stride ldx elements; K a multiple of 32)
+// into the activation buffers: aq (M, K) int8, ad (M, K/32) float32, as (M, K/32) int32.
+void arborlm_quant_activations(const void* x, int64_t ldx, int dtype, int64_t M, int64_t K, int8_t* aq, float* ad,
+                               int32_t* as) {
+  const int64_t nb = K / kBlock, elem = dtype == kF32 ? 4 : 2;
+#pragma omp parallel for schedule(static) if (M * K >= (1 << 15))
+  for (int64_t m = 0; m < M; ++m) {
+    quantize_row(static_cast<const char*>(x) + m * ldx * elem, dtype, K, aq + m * K, ad + m * nb, as + m * nb);
+  }
+}
+
+// out (M, N) of dtype `dtype` (row stride ldo elements) = activations . W^T (+ bias,
+// (N,) of `dtype`, or null). W: N rows (padded to tiles of 16) of K / 32 blocks of
+// format `fmt` (quant_layout.h): wq uint8, wd fp16, wm fp16 for Q4_1 (else null).
+// Returns 0, or -1 for an unknown format.
+int arborlm_quant_matmul(int fmt, const int8_t* aq, const float* ad, const int32_t* as, int64_t M, int64_t K,
+                         const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, int64_t N, const void* bias,
+                         void* out, int64_t ldo, int dtype) {
+  const Activations a{aq, ad, as};
+  const Weight w{wq, wd, wm};
+  switch (fmt) {
+    case kQ8_0: matmul<kQ8_0>(a, M, K, w, N, bias, out, ldo, dtype); return 0;
+    case kQ4_0: matmul<kQ4_0>(a, M, K, w, N, bias, out, ldo, dtype); return 0;
+    case kQ4_1: matmul<kQ4_1>(a, M, K, w, N, bias, out, ldo, dtype); return 0;
+    default: return -1;
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,202 @@
+"""GGUF-quantized linear layers and embedding rows on the CPU, built from `csrc/quant_*.cpp`.
+
+`QuantizedLinear` and `QuantizedEmbedding` (`runtime/layers/quantization/`) call
+these ops with the weights `quant_layout.pack_ggml_blocks` packed at load:
+
+- `linear`: for decode-sized inputs (up to `INT8_MAX_ROWS` rows) the C++ kernel
+  of `csrc/quant_linear.cpp` streams each weight block once per call, quantizing
+  the activations to int8 per block of 32 and taking VNNI dot products (ggml's
+  Q8_0 x Q8_0 / Q4_x x Q8_1 scheme); longer inputs (prefills) dequantize the
+  weight to the activations' dtype (`csrc/quant_dequant.cpp`) and run one oneDNN
+  GEMM, which is faster there;
+- `embedding`: dequantizes only the looked-up rows.
+
+`QuantOps` is the same interface in torch (`quant_reference.py`): the fallback
+where the library cannot be built, and the oracle. The library is compiled like
+`cpu_ops`'s (`g++ -O3 -march=native -fopenmp`, keyed by source, flags and CPU;
+its AVX-512 VNNI loops where the compiler targets them, scalar loops elsewhere)
+and called through ctypes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from arborlm.envs import ENVS
+from arborlm.kernels import cpu_ops, quant_reference
+from arborlm.kernels.cpu_ops import KernelBuildError
+from arborlm.kernels.quant_layout import BLOCK, QuantWeight
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "quant_layout.h", CSRC / "quant_linear.cpp", CSRC / "quant_dequant.cpp")
+ABI_VERSION = 1
+# Rows up to which the int8 kernel runs; more rows dequantize the weight and take
+# oneDNN's bf16 GEMM (see docs/benchmarks.md, "Quantized weights").
+INT8_MAX_ROWS = 64
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_SIGNATURES = {
+    "arborlm_quant_abi_version": ((), _int),
+    "arborlm_quant_simd": ((), _int),
+    "arborlm_quant_activations": ((_ptr, _i64, _int, _i64, _i64, _ptr, _ptr, _ptr), None),
+    "arborlm_quant_matmul": (
+        (_int, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _int), _int,
+    ),
+    "arborlm_quant_dequantize": ((_int, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _int), _int),
+}
+
+
+def load_library(cache_dir: Path) -> ctypes.CDLL:
+    """Build (if needed) and load the quantized kernels, with their signatures set.
+
+    Raises
+    ------
+    KernelBuildError
+        When the library cannot be built or loaded, or is of another ABI version.
+    """
+    path = cpu_ops.build_library(cache_dir, SOURCES, "quant_kernels")
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise KernelBuildError(f"cannot load {path}: {e}") from e
+    if lib.arborlm_quant_abi_version() != ABI_VERSION:
+        raise KernelBuildError(f"{path} has ABI {lib.arborlm_quant_abi_version()}, expected {ABI_VERSION}")
+    for name, (argtypes, restype) in _SIGNATURES.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = restype
+    return lib
+
+
+@functools.cache
+def native_library() -> ctypes.CDLL | None:
+    """The loaded library, built once per process; None (logged once) when it cannot be built."""
+    try:
+        return load_library(ENVS.cache_dir)
+    except KernelBuildError as e:
+        logger.warning("native quantized kernels unavailable, using torch ops: %s", e)
+        return None
+
+
+class QuantOps:
+    """The quantized layers' ops in torch (any device): dequantize, then a plain op."""
+
+    native = False
+
+    def linear(
+        self, x: torch.Tensor, weights: Sequence[QuantWeight], bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`x [W_0; W_1; ...]^T (+ bias)`: the weights stacked by rows (shards of one projection).
+
+        x: (rows, in_features) float32 / bf16; every weight has that in_features.
+        bias: (sum of out_features,) in x's dtype, or None.
+        Returns (rows, sum of out_features) in x's dtype.
+        """
+        outs = [quant_reference.quant_linear(x, w) for w in weights]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return out if bias is None else out + bias
+
+    def embedding(self, weight: QuantWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` ((n,) int64, each in [0, out_features)) of the table: (n, in_features) in `dtype`.
+
+        Raises
+        ------
+        IndexError
+            For an id outside the table.
+        """
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= weight.out_features):
+            raise IndexError(f"token id out of range [0, {weight.out_features})")
+        return quant_reference.embedding(weight, ids, dtype)
+
+
+class NativeQuantOps(QuantOps):
+    """`QuantOps` through the C++ kernels; inputs they do not take (not CPU, another
+    dtype, strided rows) go the torch way."""
+
+    native = True
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+        self.simd = bool(lib.arborlm_quant_simd())
+
+    def linear(self, x, weights, bias=None):
+        ok = (
+            x.dim() == 2 and x.is_cpu and x.dtype in _DTYPE_CODES and x.stride(1) == 1
+            and (bias is None or (bias.dtype is x.dtype and bias.is_contiguous() and bias.is_cpu))
+        )
+        if not ok:
+            return super().linear(x, weights, bias)
+        if x.shape[0] > INT8_MAX_ROWS:
+            return self._dequantized_linear(x, weights, bias)
+        return self._int8_linear(x, weights, bias)
+
+    def _int8_linear(self, x: torch.Tensor, weights: Sequence[QuantWeight], bias: torch.Tensor | None):
+        """Quantize x once, then one kernel call per weight into its columns of the output."""
+        rows, in_features = x.shape
+        nb = in_features // BLOCK
+        aq = torch.empty((rows, in_features), dtype=torch.int8)
+        ad = torch.empty((rows, nb), dtype=torch.float32)
+        asum = torch.empty((rows, nb), dtype=torch.int32)
+        dtype = _DTYPE_CODES[x.dtype]
+        self.lib.arborlm_quant_activations(
+            x.data_ptr(), x.stride(0), dtype, rows, in_features, aq.data_ptr(), ad.data_ptr(), asum.data_ptr()
+        )
+        out_features = sum(w.out_features for w in weights)
+        out = torch.empty((rows, out_features), dtype=x.dtype)
+        col, elem = 0, out.element_size()
+        for w in weights:
+            bias_ptr = None if bias is None else bias.data_ptr() + col * elem
+            self.lib.arborlm_quant_matmul(
+                w.format.code, aq.data_ptr(), ad.data_ptr(), asum.data_ptr(), rows, in_features,
+                w.qs.data_ptr(), w.scales.data_ptr(), None if w.mins is None else w.mins.data_ptr(),
+                w.out_features, bias_ptr, out.data_ptr() + col * elem, out_features, dtype,
+            )
+            col += w.out_features
+        return out
+
+    def _dequantized_linear(self, x: torch.Tensor, weights: Sequence[QuantWeight], bias: torch.Tensor | None):
+        """Prefills: dequantize every weight to x's dtype (one buffer), then one GEMM."""
+        w = torch.empty((sum(w.out_features for w in weights), x.shape[1]), dtype=x.dtype)
+        row = 0
+        for part in weights:
+            self._dequantize_into(part, None, part.out_features, w[row:row + part.out_features])
+            row += part.out_features
+        return F.linear(x, w, bias)
+
+    def embedding(self, weight, ids, dtype):
+        if dtype not in _DTYPE_CODES or not ids.is_cpu:
+            return super().embedding(weight, ids, dtype)
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty((ids.shape[0], weight.in_features), dtype=dtype)
+        self._dequantize_into(weight, ids, ids.shape[0], out)
+        return out
+
+    def _dequantize_into(self, w: QuantWeight, ids: torch.Tensor | None, num_rows: int, out: torch.Tensor) -> None:
+        """Rows `ids` (None = the first num_rows) of w into `out` (num_rows, in), rows contiguous."""
+        status = self.lib.arborlm_quant_dequantize(
+            w.format.code, w.qs.data_ptr(), w.scales.data_ptr(), None if w.mins is None else w.mins.data_ptr(),
+            w.out_features, w.in_features, None if ids is None else ids.data_ptr(), num_rows,
+            out.data_ptr(), out.stride(0), _DTYPE_CODES[out.dtype],
+        )
+        if status == -2:
+            raise IndexError(f"token id out of range [0, {w.out_features})")
+        if status != 0:
+            raise ValueError(f"arborlm_quant_dequantize failed ({status}) for format {w.fmt}")
+
+
+def quant_ops(device: torch.device | str, native: bool = True) -> QuantOps:
+    """The quantized ops for `device`: the C++ kernels on the CPU when `native` and they
+    build here, else torch."""
+    if native and torch.device(device).type == "cpu":
+        lib = native_library()
+        if lib is not None:
+            return NativeQuantOps(lib)
+    return QuantOps()
