@@ -8,6 +8,7 @@ them into tensors and samples.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,23 @@ from arborlm.errors import InvalidRequestError
 
 # Most samples one request may ask for (OpenAI's routes cap n at 128 too); more would flood the scheduler.
 MAX_N = 128
+# Most top logprobs per token, on every route: OpenAI's cap for chat `top_logprobs` and vLLM's
+# `max_logprobs` default. Each one is a (logprob, id) pair per token kept for the whole output.
+MAX_TOP_LOGPROBS = 20
+# Stop strings: every decoded token is checked against each one, and the text that could start
+# one is held back, so the work per token grows with their count times their length. OpenAI takes
+# 4; vLLM and SGLang set no limit, and the stop lists of real clients (eval harnesses, agent
+# frameworks, chat templates' end markers) stay well within these.
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256  # characters
+# Stop token ids: a model's special tokens (Llama 3 reserves 256) fit.
+MAX_STOP_TOKEN_IDS = 256
+# Integer fields are int64 on the way to the sampler's tensors (and OpenAI's `seed` is one).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# A logit_bias key is a token id's decimal text: an int64 has at most 19 digits.
+_MAX_TOKEN_ID_DIGITS = 19
+# A message shows at most this much of a bad value (a prompt of token ids, a 4000-digit integer).
+_MAX_SHOWN_CHARS = 80
 
 # Temperatures below this sample greedily, as SGLang and vLLM do (`_SAMPLING_EPS`): dividing the
 # logits by a positive temperature that underflows float32 (1e-40) would give inf - inf = NaN.
@@ -49,6 +67,50 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int64(value: Any) -> bool:
+    return _is_int(value) and INT64_MIN <= value <= INT64_MAX
+
+
+def _is_float_like(value: Any) -> bool:
+    """A number that is not NaN and converts to a float (an int beyond 1e308 does not: OverflowError)."""
+    if not _is_number(value):
+        return False
+    try:
+        return not math.isnan(value)
+    except OverflowError:
+        return False
+
+
+def shown(value: Any) -> str:
+    """`repr(value)` for an error message, cut to `_MAX_SHOWN_CHARS`.
+
+    An integer of more than 4300 digits has no text (Python refuses to make it: ValueError),
+    so a value holding one is described instead.
+    """
+    if _is_int(value) and value.bit_length() > 4 * _MAX_SHOWN_CHARS:
+        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    try:
+        text = repr(value)
+    except ValueError:
+        return f"a {type(value).__name__} holding an integer of thousands of digits"
+    return text if len(text) <= _MAX_SHOWN_CHARS else text[:_MAX_SHOWN_CHARS - 3] + "..."
+
+
+def _is_schema_wrapper(value: Any) -> bool:
+    """True for OpenAI's ``response_format.json_schema`` object ({name, schema, strict}) given
+    where a schema belongs: as a schema it constrains nothing (neither ``name`` nor ``schema``
+    is a JSON Schema keyword), so the output would be free JSON."""
+    if isinstance(value, str):
+        if '"schema"' not in value:
+            return False
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return False  # the grammar reports the broken text
+    return (isinstance(value, dict) and isinstance(value.get("schema"), dict)
+            and set(value) <= {"name", "description", "schema", "strict"})
 
 
 @dataclass
@@ -146,6 +208,8 @@ class SamplingParams:
             Naming the first offending field in ``param`` and the accepted range.
         """
         self._verify_types()
+        self._verify_stops()
+        self._verify_constraint()
         checks = (
             ("max_new_tokens", self.max_new_tokens >= 0, ">= 0"),
             ("temperature", 0 <= self.temperature < math.inf, ">= 0 and finite"),
@@ -162,8 +226,12 @@ class SamplingParams:
         for name, ok, accepted in checks:
             if not ok:  # NaN fails every comparison, so it is rejected here too
                 raise InvalidRequestError(
-                    f"{name} must be {accepted}, got {getattr(self, name)!r}", name
+                    f"{name} must be {accepted}, got {shown(getattr(self, name))}", name
                 )
+        self._verify_token_ids(vocab_size)
+
+    def _verify_token_ids(self, vocab_size: int) -> None:
+        """`logit_bias` and `stop_token_ids` name tokens of the vocabulary."""
         for token_id, bias in self._logit_bias_items():
             if not 0 <= token_id < vocab_size:
                 raise InvalidRequestError(
@@ -174,56 +242,83 @@ class SamplingParams:
         for token_id in self.stop_token_ids or ():
             if not 0 <= token_id < vocab_size:
                 raise InvalidRequestError(
-                    f"stop_token_ids contains {token_id}, outside the vocabulary [0, {vocab_size})",
+                    f"stop_token_ids contains {shown(token_id)}, outside the vocabulary [0, {vocab_size})",
                     "stop_token_ids",
                 )
 
-    def _verify_types(self) -> None:
-        def bad(name: str, expected: str) -> InvalidRequestError:
-            value = getattr(self, name)
-            return InvalidRequestError(
-                f"{name} must be {expected}, got {type(value).__name__} {value!r}", name
-            )
+    def _bad_type(self, name: str, expected: str) -> InvalidRequestError:
+        value = getattr(self, name)
+        return InvalidRequestError(f"{name} must be {expected}, got {type(value).__name__} {shown(value)}", name)
 
+    def _verify_types(self) -> None:
+        """Each field has its type; integers fit int64, numbers a float (then `verify` checks ranges)."""
         for name in _INT_FIELDS:
             if not _is_int(getattr(self, name)):
-                raise bad(name, "an integer")
+                raise self._bad_type(name, "an integer")
+            if not _is_int64(getattr(self, name)):
+                raise self._bad_type(name, "an integer in [-2**63, 2**63)")
         for name in _FLOAT_FIELDS:
-            if not _is_number(getattr(self, name)) or math.isnan(getattr(self, name)):
-                raise bad(name, "a number")
+            if not _is_float_like(getattr(self, name)):
+                raise self._bad_type(name, "a number")
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
-                raise bad(name, "a boolean")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", "an integer or null")
+                raise self._bad_type(name, "a boolean")
+        if self.seed is not None and not _is_int64(self.seed):
+            raise self._bad_type("seed", "an integer in [-2**63, 2**63) or null")
+        if self.logit_bias is not None and not _is_logit_bias(self.logit_bias):
+            raise self._bad_type("logit_bias", "an object of token id -> number")
+
+    def _verify_stops(self) -> None:
+        """Stop strings: non-empty, at most `MAX_STOP_STRINGS` of at most `MAX_STOP_LEN` characters;
+        stop token ids: at most `MAX_STOP_TOKEN_IDS` integers."""
         stop = self.stop
         if stop is not None and not isinstance(stop, str):
             if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-                raise bad("stop", "a string or a list of strings")
-        if any(s == "" for s in ([stop] if isinstance(stop, str) else stop or ())):
+                raise self._bad_type("stop", "a string or a list of strings")
+        stops = [stop] if isinstance(stop, str) else list(stop or ())
+        if any(s == "" for s in stops):
             raise InvalidRequestError("stop strings must not be empty", "stop")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"give at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", "stop")
+        if any(len(s) > MAX_STOP_LEN for s in stops):
+            longest = max(len(s) for s in stops)
+            raise InvalidRequestError(
+                f"stop strings may have at most {MAX_STOP_LEN} characters, got one of {longest}", "stop"
+            )
+        ids = self.stop_token_ids
+        if ids is not None and (not isinstance(ids, (list, tuple)) or not all(_is_int(i) for i in ids)):
+            raise self._bad_type("stop_token_ids", "a list of integers")
+        if ids is not None and len(ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                f"give at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(ids)}", "stop_token_ids"
+            )
+
+    def _verify_constraint(self) -> None:
+        """At most one grammar constraint, of its type, and a schema that is one."""
         for name in ("regex", "ebnf"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
-                raise bad(name, "a string")
+                raise self._bad_type(name, "a string")
         for name in ("json_schema", "structural_tag"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), (str, dict, bool)):
-                raise bad(name, "a JSON object or its text")
+                raise self._bad_type(name, "a JSON object or its text")
         given = [n for n in ("json_schema", "regex", "ebnf", "structural_tag") if getattr(self, n) is not None]
         if len(given) > 1:
             raise InvalidRequestError(f"give at most one grammar constraint, got {given}", given[1])
-        if self.logit_bias is not None and not _is_logit_bias(self.logit_bias):
-            raise bad("logit_bias", "an object of token id -> number")
-        ids = self.stop_token_ids
-        if ids is not None and (
-            not isinstance(ids, (list, tuple)) or not all(_is_int(i) for i in ids)
-        ):
-            raise bad("stop_token_ids", "a list of integers")
+        if _is_schema_wrapper(self.json_schema):
+            raise InvalidRequestError(
+                "json_schema holds OpenAI's response_format.json_schema object ({name, schema, strict}), "
+                "not a schema; as one it would allow any JSON. Send the schema itself as json_schema, or "
+                'the object as response_format={"type": "json_schema", "json_schema": ...}',
+                "json_schema",
+            )
 
 
 def _is_logit_bias(value: Any) -> bool:
-    def is_id(key: Any) -> bool:
-        return _is_int(key) or (isinstance(key, str) and key.isascii() and key.isdigit())
+    """Token id (an int64, or its decimal text as JSON keys are) -> a number."""
 
-    return isinstance(value, dict) and all(
-        is_id(k) and _is_number(v) and not math.isnan(v) for k, v in value.items()
-    )
+    def is_id(key: Any) -> bool:
+        if isinstance(key, str):
+            return key.isascii() and key.isdigit() and len(key) <= _MAX_TOKEN_ID_DIGITS
+        return _is_int64(key)
+
+    return isinstance(value, dict) and all(is_id(k) and _is_float_like(v) for k, v in value.items())

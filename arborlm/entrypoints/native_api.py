@@ -59,13 +59,13 @@ async def generate(request: Request) -> Response:
     state = get_state(request)
     body = await parse_body(request, GenerateRequest)
     manager = state.live_manager()
+    prompt_param = "text" if body.text is not None or body.input_ids is None else "input_ids"
     reqs, is_batch = expand_requests(
-        body.text, body.input_ids, body.sampling_params, prompt_param="text",
+        body.text, body.input_ids, body.sampling_params, prompt_param=prompt_param,
         return_logprob=body.return_logprob, logprob_start_len=body.logprob_start_len,
         top_logprobs_num=body.top_logprobs_num, stream=body.stream, cache_salt=body.cache_salt,
     )
     _assign_rids(reqs, body.rid)
-    prompt_param = "text" if body.text is not None else "input_ids"
     rules = BatchRules(check_context=True, never_fits_param=prompt_param if _num_prompts(body) > 1 else "n")
     built = await _build(manager, reqs, rules)
     token_text = TokenText(state.tokenizer) if body.return_text_in_logprobs else None

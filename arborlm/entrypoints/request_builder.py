@@ -26,7 +26,12 @@ from arborlm.constrained.keys import GrammarError
 from arborlm.errors import EngineDeadError, InvalidRequestError
 from arborlm.runtime.io_struct import GenerateReqInput, TokenizedGenerateReqInput
 from arborlm.runtime.tokenizer_manager import TokenizerManager
-from arborlm.sampling_params import SamplingParams
+from arborlm.sampling_params import MAX_N, SamplingParams
+
+# Most requests one call may make (prompts x n), on every entry point, whatever the queue limit:
+# each is validated, tokenized and tracked before any runs, so an unbounded call is unbounded
+# memory and work for the front. A call of more is refused; send several calls instead.
+MAX_REQS_PER_CALL = 1024
 
 
 def expand_requests(
@@ -40,6 +45,7 @@ def expand_requests(
 
     `n > 1` expands each prompt into n consecutive requests (seeds `seed + i`
     when a seed is given). `kwargs` are further `GenerateReqInput` fields.
+    Every `n` and the number of requests are checked before any is made.
 
     Returns
     -------
@@ -49,7 +55,9 @@ def expand_requests(
     Raises
     ------
     InvalidRequestError: both or neither of prompt and input_ids, an empty
-        batch, a non-string prompt, mismatched `sampling_params`, a bad `n`.
+        batch, a non-string prompt, mismatched `sampling_params`, an `n` that is
+        not an integer in [1, `MAX_N`].
+    CallTooLargeError: more than `MAX_REQS_PER_CALL` requests (prompts x n).
     """
     if prompt is not None and input_ids is not None:
         raise InvalidRequestError(f"give {prompt_param} or input_ids, not both", param=prompt_param)
@@ -64,11 +72,11 @@ def expand_requests(
         raise InvalidRequestError("the batch is empty", param=prompt_param)
     if prompt is not None and not all(isinstance(p, str) for p in items):
         raise InvalidRequestError(f"{prompt_param} must be a string or a list of strings", param=prompt_param)
+    params_list = _params_per_item(sampling_params, len(items))
+    ns = [_checked_n(params.pop("n", 1)) for params in params_list]
+    check_fan_out(len(items), sum(ns), prompt_param)
     reqs = []
-    for item, params in zip(items, _params_per_item(sampling_params, len(items))):
-        n = params.pop("n", 1)
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise InvalidRequestError("n must be an integer >= 1", param="n")
+    for item, params, n in zip(items, params_list, ns):
         for i in range(n):
             p = dict(params)
             if n > 1 and p.get("seed") is not None:
@@ -76,6 +84,39 @@ def expand_requests(
             text, ids = (item, None) if prompt is not None else (None, item)
             reqs.append(GenerateReqInput(text=text, input_ids=ids, sampling_params=p, **kwargs))
     return reqs, is_batch or len(reqs) > 1
+
+
+def _checked_n(n: Any) -> int:
+    """One prompt's `n` (`SamplingParams.verify` never sees it: it is taken out here).
+
+    Raises
+    ------
+    InvalidRequestError: naming ``n``.
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+        raise InvalidRequestError(f"n must be an integer in [1, {MAX_N}]", param="n")
+    return n
+
+
+def check_fan_out(num_prompts: int, num_reqs: int, prompt_param: str) -> None:
+    """Refuse a call of more than `MAX_REQS_PER_CALL` requests before any is made.
+
+    Parameters
+    ----------
+    num_prompts: the call's prompts.
+    num_reqs: its requests, prompts x n.
+    prompt_param: the prompt field, named when there are several prompts (else ``n``).
+
+    Raises
+    ------
+    CallTooLargeError
+    """
+    if num_reqs > MAX_REQS_PER_CALL:
+        raise CallTooLargeError(
+            f"this call makes {num_reqs} requests (prompts x n), more than the {MAX_REQS_PER_CALL} one call "
+            "may make; send fewer per call",
+            param=prompt_param if num_prompts > 1 else "n",
+        )
 
 
 def _params_per_item(sampling_params: Any, num_items: int) -> list[dict[str, Any]]:
@@ -167,12 +208,15 @@ async def build_batch(manager: TokenizerManager, reqs: list[GenerateReqInput], r
     Raises
     ------
     DuplicateRequestIdError: two requests share an id.
-    CallTooLargeError: with `rules.never_fits_param`, the call can never fit.
+    CallTooLargeError: more than `MAX_REQS_PER_CALL` requests; with
+        `rules.never_fits_param`, also a call that can never fit the queue.
     InvalidRequestError: a malformed item (a `GrammarError` too, unless it fails alone).
     ContextLengthError: with `rules.check_context`, an item does not fit the context.
     ServerOverloadedError: no room in the queue for the call now.
     """
     check_distinct_rids(reqs)
+    if len(reqs) > MAX_REQS_PER_CALL:  # a list built by hand, not by expand_requests
+        check_fan_out(len(reqs), len(reqs), rules.never_fits_param or "prompt")
     if rules.never_fits_param is not None:
         check_possible(manager, len(reqs), rules.never_fits_param)
     grammar_alone = rules.grammar_fails_alone and len(reqs) > 1

@@ -42,7 +42,7 @@ from arborlm.runtime.io_struct import (
     TokenizedGenerateReqInput,
     finish_reason_to_matched_stop,
 )
-from arborlm.sampling_params import SamplingParams
+from arborlm.sampling_params import INT64_MAX, MAX_TOP_LOGPROBS, SamplingParams, shown
 
 logger = logging.getLogger(__name__)
 
@@ -213,13 +213,17 @@ class TokenizerManager:
         return params.normalized()
 
     def _check_logprob_fields(self, obj: GenerateReqInput) -> None:
-        vocab = self.model_info.vocab_size
+        """`top_logprobs_num` in [0, `MAX_TOP_LOGPROBS`] (each is kept for every token of the
+        output); `logprob_start_len` -1 (the output only) or a position in int64."""
+        top_max = min(MAX_TOP_LOGPROBS, self.model_info.vocab_size)
         top = obj.top_logprobs_num
-        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= vocab:
-            raise InvalidRequestError(f"top_logprobs_num must be an integer in [0, {vocab}]", param="top_logprobs_num")
+        if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= top_max:
+            raise InvalidRequestError(f"top_logprobs_num must be an integer in [0, {top_max}]",
+                                      param="top_logprobs_num")
         start = obj.logprob_start_len
-        if not isinstance(start, int) or isinstance(start, bool) or start < -1:
-            raise InvalidRequestError("logprob_start_len must be an integer >= -1", param="logprob_start_len")
+        if not isinstance(start, int) or isinstance(start, bool) or not -1 <= start <= INT64_MAX:
+            raise InvalidRequestError("logprob_start_len must be an integer >= -1 (and below 2**63)",
+                                      param="logprob_start_len")
 
     def _check_input_ids(self, input_ids: Any) -> list[int]:
         vocab = self.model_info.vocab_size
@@ -229,7 +233,8 @@ class TokenizerManager:
             raise InvalidRequestError("input_ids must be a list of integers", param="input_ids")
         bad = [t for t in input_ids if not 0 <= t < vocab]
         if bad:
-            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="input_ids")
+            raise InvalidRequestError(f"token ids {shown(bad[:5])} are outside the vocabulary [0, {vocab})",
+                                      param="input_ids")
         return list(input_ids)
 
     def _next_seed(self) -> int:

@@ -7,6 +7,8 @@ OpenAI's shapes, and running the requests of one call together.
 from __future__ import annotations
 
 import contextlib
+import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -18,7 +20,8 @@ from pydantic import BaseModel, ValidationError
 
 from arborlm.entrypoints.browser_guard import require_json
 from arborlm.entrypoints.http_errors import APIError, bad_request, validation_error
-from arborlm.entrypoints.openai.protocol import ResponseFormat, SamplingRequest
+from arborlm.entrypoints.openai.constraints import request_constraint
+from arborlm.entrypoints.openai.protocol import SamplingRequest
 from arborlm.entrypoints.request_builder import BatchRules
 from arborlm.entrypoints.streaming import merge_streams
 from arborlm.errors import InvalidRequestError
@@ -27,18 +30,22 @@ from arborlm.runtime.tokenizer_manager import TokenizerManager
 
 B = TypeVar("B", bound=BaseModel)
 
+# Python's int() and jiter (pydantic's JSON parser) refuse integer literals of more digits
+# (jiter: "number out of range"; Python's limit guards against quadratic-time conversion).
+_MAX_INT_DIGITS = 4300
+_INT_PART = re.compile(r"-?(\d*)")
+
 # SamplingParams names that OpenAI's API spells differently.
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "input_ids": "prompt"}
 # /v1/completions without max_tokens (or with null) answers 16 tokens, as OpenAI's does.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-# SGLang's grammar fields, each a constraint of its own (response_format is another).
-_CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 # The lenient-mode advice of the schema checker, which names the native sampling field.
 _LENIENT_ADVICE = "Set json_schema_lenient"
-# Request fields copied as they are into SamplingParams when given.
+# Request fields copied as they are into SamplingParams when given (the output constraint,
+# in any of its dialects, comes from `constraints.request_constraint`).
 _SAME_NAME_FIELDS = (
     "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias", "stop",
-    "top_k", "min_p", "repetition_penalty", "regex", "ebnf", "json_schema", "structural_tag",
+    "top_k", "min_p", "repetition_penalty",
     "ignore_eos", "stop_token_ids", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
 )
 # How both routes build their requests (`request_builder.build_batch`): the context is checked
@@ -56,13 +63,72 @@ async def parse_body(request: Request, model: type[B]) -> B:
         400 for an empty or malformed body, or a field of the wrong type.
     """
     require_json(request)
-    body = await request.body()
+    return parse_json_body(await request.body(), model)
+
+
+def parse_json_body(body: bytes, model: type[B]) -> B:
+    """`body` validated as `model`.
+
+    Raises
+    ------
+    APIError: 400 for an empty or malformed body, or a field of the wrong type; an
+        integer literal of more than 4300 digits is named by its field (``prompt[1][0]``).
+    """
     if not body.strip():
         raise bad_request("the request body is empty; send a JSON object")
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
-        raise validation_error(e.errors()) from None
+        errors = e.errors()
+        param = _long_number_param(body) if errors and errors[0].get("type") == "json_invalid" else None
+        if param is not None:
+            raise bad_request(f"{param}: a number of more than {_MAX_INT_DIGITS} digits is out of range",
+                              param) from None
+        raise validation_error(errors) from None
+
+
+class _LongNumber:
+    """Stands in for a number literal too long to parse, so that its place can be found."""
+
+
+def _long_number_param(body: bytes) -> str | None:
+    """Where the first number literal of more than `_MAX_INT_DIGITS` integer digits is in the
+    JSON `body`, as a param (``sampling_params.stop_token_ids[1]``); None when there is none
+    (or the body does not parse for another reason)."""
+    marker = _LongNumber()
+
+    def parse_number(text: str, convert) -> Any:
+        if len(_INT_PART.match(text)[1]) > _MAX_INT_DIGITS:
+            return marker
+        return convert(text)
+
+    try:
+        value = json.loads(body, parse_int=lambda t: parse_number(t, int),
+                           parse_float=lambda t: parse_number(t, float))
+    except (ValueError, RecursionError):
+        return None
+    path = _path_to(value, marker)
+    return None if path is None else _path_text(path)
+
+
+def _path_to(value: Any, target: object) -> list[str | int] | None:
+    """Keys and indexes from `value` down to the object `target` (depth first), or None."""
+    stack: list[tuple[Any, list[str | int]]] = [(value, [])]
+    while stack:
+        node, path = stack.pop()
+        if node is target:
+            return path
+        children = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        stack.extend((child, [*path, key]) for key, child in reversed(list(children)))
+    return None
+
+
+def _path_text(path: list[str | int]) -> str:
+    """["prompt", 1, 0] -> "prompt[1][0]"."""
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else part
+    return out
 
 
 def openai_param(name: str | None) -> str | None:
@@ -106,50 +172,27 @@ def sampling_params(req: SamplingRequest, max_tokens: int) -> dict[str, Any]:
 
     Raises
     ------
-    APIError: 400 for two output constraints at once (`response_format` and
-        SGLang's `json_schema`, `regex`, `ebnf` or `structural_tag`, or two of
-        those), or a bad response_format.
+    APIError: 400 for two output constraints at once (`response_format`, SGLang's
+        `json_schema`, `regex`, `ebnf`, `structural_tag`, vLLM's `guided_*` and
+        `structured_outputs`), or one that cannot be served (`constraints.py`).
     """
-    given = [k for k in _CONSTRAINT_FIELDS if getattr(req, k) is not None]
-    if req.response_format is not None and req.response_format.type != "text":
-        given.insert(0, "response_format")
-    if len(given) > 1:
-        raise bad_request(f"give only one of {' and '.join(given)}: each is an output constraint",
-                          param=given[1])
     params = {name: getattr(req, name) for name in _SAME_NAME_FIELDS if getattr(req, name) is not None}
     params["max_new_tokens"] = max_tokens
     if req.min_tokens is not None:
         params["min_new_tokens"] = req.min_tokens
-    params.update(response_format_params(req.response_format))
+    constraint = request_constraint(req)
+    if constraint is not None:
+        params.update(constraint.params)
     return params
-
-
-def response_format_params(fmt: ResponseFormat | None) -> dict[str, Any]:
-    """`response_format` as grammar sampling fields.
-
-    `json_object` → any JSON object (OpenAI's JSON mode answers an object);
-    `json_schema` → that schema, every keyword enforced when `strict` is true,
-    else unsupported keywords are dropped from the grammar and the output is
-    still validated (the native `json_schema_lenient`).
-    """
-    if fmt is None or fmt.type == "text":
-        return {}
-    if fmt.type == "json_object":
-        return {"json_schema": {"type": "object"}}
-    spec = fmt.json_schema
-    return {"json_schema": spec.schema_, "json_schema_lenient": not spec.strict}
 
 
 def field_names(req: SamplingRequest) -> dict[str, str]:
     """The fields of this request that the runtime's errors name by their native names,
     as the request spells them (`json_schema` is `response_format.json_schema.schema`
-    when the schema came in `response_format`)."""
-    fmt = req.response_format
-    if fmt is not None and fmt.type == "json_schema":
-        return {"json_schema": "response_format.json_schema.schema"}
-    if fmt is not None and fmt.type == "json_object":
-        return {"json_schema": "response_format"}
-    return {}
+    when the schema came in `response_format`, `regex` is `guided_choice` when it came
+    from that choice list)."""
+    constraint = request_constraint(req)
+    return {} if constraint is None else dict(constraint.names)
 
 
 def openai_error(error: InvalidRequestError, names: dict[str, str] | None = None) -> APIError:

@@ -13,8 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-MAX_N = 128
-MAX_TOP_LOGPROBS = 20
+from arborlm.sampling_params import MAX_N, MAX_TOP_LOGPROBS
 
 
 class _Body(BaseModel):
@@ -47,6 +46,27 @@ class ResponseFormat(_Body):
         return self
 
 
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs` object: one constraint (`json`, `regex`, `choice`, `grammar`,
+    `json_object` or `structural_tag`) and options of its JSON grammar.
+
+    Unknown keys are refused, not ignored: each one may change what output is allowed.
+    How each maps to arborlm's constraints is in `constraints.py`.
+    """
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    disable_fallback: bool = False
+
+
 class SamplingRequest(_Body):
     """The fields `/v1/completions` and `/v1/chat/completions` share.
 
@@ -55,6 +75,9 @@ class SamplingRequest(_Body):
     SGLang's extras: top_k, min_p, repetition_penalty, regex, ebnf, json_schema,
     structural_tag, min_tokens, ignore_eos, stop_token_ids, skip_special_tokens,
     spaces_between_special_tokens, no_stop_trim, rid, cache_salt.
+    vLLM's constraint fields: guided_json, guided_regex, guided_choice,
+    guided_grammar, guided_whitespace_pattern, guided_decoding_backend and
+    structured_outputs (`constraints.py` maps or refuses each).
     """
 
     model: str | None = None
@@ -86,6 +109,14 @@ class SamplingRequest(_Body):
     no_stop_trim: bool | None = None
     rid: str | None = None
     cache_salt: str | None = None
+    # vLLM's constraint fields (the guided_* ones are its older spelling of structured_outputs)
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None  # picks an implementation, not the output: no effect
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(SamplingRequest):

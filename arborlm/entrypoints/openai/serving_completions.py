@@ -38,6 +38,7 @@ from arborlm.entrypoints.openai.common import (
 )
 from arborlm.entrypoints.openai.protocol import CompletionRequest
 from arborlm.entrypoints.request_builder import build_batch
+from arborlm.entrypoints.request_builder import check_fan_out as check_num_reqs
 from arborlm.entrypoints.server_state import ServerState, get_state
 from arborlm.entrypoints.streaming import (
     SSE_DONE,
@@ -57,6 +58,17 @@ def check_unsupported(req: CompletionRequest) -> None:
         raise bad_request("suffix (insertion) is not supported by this server", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported (other than best_of == n)", param="best_of")
+
+
+def check_fan_out(num_prompts: int, n: int) -> None:
+    """Refuse prompts x n above `request_builder.MAX_REQS_PER_CALL` before any request is made.
+
+    Raises
+    ------
+    APIError: 400 naming ``n``, as the OpenAI routes name the other limits of n.
+    """
+    with openai_errors():
+        check_num_reqs(num_prompts, num_prompts * n, "n")
 
 
 def prompt_ids(state: ServerState, prompt: Any) -> list[list[int]]:
@@ -115,6 +127,7 @@ async def completions(request: Request) -> Response:
     check_unsupported(req)
     context = state.model_info.context_length
     prompts = prompt_ids(state, req.prompt)
+    check_fan_out(len(prompts), req.n)
     total = len(prompts) * req.n
     requested = DEFAULT_COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     reqs = []

@@ -26,12 +26,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from arborlm.constrained.keys import GrammarError, GrammarKey
 from arborlm.constrained.json_schema import (
     PreparedSchema,
     prepare_json_schema,
     validate_json_output,
 )
+from arborlm.constrained.keys import GrammarError, GrammarKey
 from arborlm.constrained.registry import backend_class
 from arborlm.entrypoints.http_errors import bad_request
 from arborlm.entrypoints.openai.common import openai_error
@@ -51,8 +51,9 @@ from arborlm.entrypoints.openai.tool_parser import (
 
 logger = logging.getLogger(__name__)
 
-# OpenAI's rule for function names; it also keeps names free of JSON escapes.
-FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# OpenAI's rule for function names; it also keeps names free of JSON escapes. Matched with
+# fullmatch: `$` would also match before a trailing newline.
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # The arguments of a function declared without `parameters` (OpenAI: no parameters).
 NO_PARAMETERS = {"type": "object", "properties": {}}
 # Whitespace characters allowed between two JSON tokens of the arguments: room for
@@ -166,7 +167,7 @@ def _tool(definition: ToolDefinition, index: int, grammar_backend: str) -> Tool:
     APIError: 400 naming `tools[index].function.name` or `.parameters`.
     """
     function = definition.function
-    if not FUNCTION_NAME.match(function.name):
+    if not FUNCTION_NAME.fullmatch(function.name):
         raise bad_request("a function name must be 1 to 64 letters, digits, underscores or dashes, "
                           f"got {function.name!r}", param=f"tools[{index}].function.name")
     param = f"tools[{index}].function.parameters"
