@@ -37,6 +37,7 @@ from arborlm.runtime.forward_batch_info import ForwardBatch, LogitsOutput
 from arborlm.runtime.layers.attention.base import AttentionBackend
 from arborlm.runtime.layers.layernorm import RMSNorm, prepare_norms
 from arborlm.runtime.layers.linear import Linear, MergedLinear
+from arborlm.runtime.layers.logits_processor import logits_output
 from arborlm.runtime.layers.mlp import GATE_SHARD, UP_SHARD, GatedMLP
 from arborlm.runtime.layers.radix_attention import RadixAttention
 from arborlm.runtime.layers.rotary_embedding import apply_rotary_, get_rope, rope_parameters
@@ -237,15 +238,7 @@ class Gemma3ForCausalLM(nn.Module):
         Returns float32 logits at each request's last new token, and at every new
         token when `forward_batch.return_full_logits`.
         """
-        hidden = self.model(forward_batch)
-        if forward_batch.forward_mode.is_decode():
-            full = self._logits(hidden)
-            return LogitsOutput(next_token_logits=full, full_logits=full if forward_batch.return_full_logits else None)
-        last = torch.tensor(forward_batch.extend_seq_lens_cpu, device=hidden.device).cumsum(0) - 1
-        if forward_batch.return_full_logits:
-            full = self._logits(hidden)
-            return LogitsOutput(next_token_logits=full[last], full_logits=full)
-        return LogitsOutput(next_token_logits=self._logits(hidden[last]))
+        return logits_output(self.model(forward_batch), forward_batch, self._logits)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm, head, then `cap * tanh(logits / cap)` in float32 (transformers caps
