@@ -140,7 +140,7 @@ class Engine:
                       top_logprobs_num=top_logprobs_num, rid=rid)
         if stream:
             return self._stream_async(prompt, input_ids, sampling_params, kwargs)
-        reqs, is_batch = expand_requests(prompt, input_ids, sampling_params, **kwargs)
+        reqs, is_batch = expand_requests(prompt, input_ids, sampling_params, max_reqs=None, **kwargs)
         if is_batch and rid is not None:
             raise InvalidRequestError("rid applies to a single request", param="rid")
         results = await self._run_on_loop(generate_batch(self.tokenizer_manager, reqs))
@@ -161,7 +161,7 @@ class Engine:
             yield chunk
 
     def _stream_sync(self, prompt, input_ids, sampling_params, kwargs) -> Iterator[dict[str, Any]]:
-        reqs, is_batch = expand_requests(prompt, input_ids, sampling_params, stream=True, **kwargs)
+        reqs, is_batch = expand_requests(prompt, input_ids, sampling_params, max_reqs=None, stream=True, **kwargs)
         if is_batch:
             raise InvalidRequestError("stream=True takes one prompt with n=1", param="stream")
         chunks: queue.Queue = queue.Queue()
@@ -185,7 +185,7 @@ class Engine:
             future.cancel()
 
     async def _stream_async(self, prompt, input_ids, sampling_params, kwargs) -> AsyncIterator[dict[str, Any]]:
-        reqs, is_batch = expand_requests(prompt, input_ids, sampling_params, stream=True, **kwargs)
+        reqs, is_batch = expand_requests(prompt, input_ids, sampling_params, max_reqs=None, stream=True, **kwargs)
         if is_batch:
             raise InvalidRequestError("stream=True takes one prompt with n=1", param="stream")
         if asyncio.get_running_loop() is self._loop:

@@ -39,13 +39,15 @@ def expand_requests(
     input_ids: list[int] | list[list[int]] | None,
     sampling_params: dict | SamplingParams | list | None,
     prompt_param: str = "prompt",
+    max_reqs: int | None = MAX_REQS_PER_CALL,
     **kwargs: Any,
 ) -> tuple[list[GenerateReqInput], bool]:
     """Normalise one request or a batch into single requests, prompt by prompt.
 
     `n > 1` expands each prompt into n consecutive requests (seeds `seed + i`
     when a seed is given). `kwargs` are further `GenerateReqInput` fields.
-    Every `n` and the number of requests are checked before any is made.
+    Every `n` and the number of requests (at most `max_reqs`; None: no cap, the
+    in-process Engine's offline batches) are checked before any is made.
 
     Returns
     -------
@@ -74,7 +76,7 @@ def expand_requests(
         raise InvalidRequestError(f"{prompt_param} must be a string or a list of strings", param=prompt_param)
     params_list = _params_per_item(sampling_params, len(items))
     ns = [_checked_n(params.pop("n", 1)) for params in params_list]
-    check_fan_out(len(items), sum(ns), prompt_param)
+    check_fan_out(len(items), sum(ns), prompt_param, max_reqs)
     reqs = []
     for item, params, n in zip(items, params_list, ns):
         for i in range(n):
@@ -98,22 +100,24 @@ def _checked_n(n: Any) -> int:
     return n
 
 
-def check_fan_out(num_prompts: int, num_reqs: int, prompt_param: str) -> None:
-    """Refuse a call of more than `MAX_REQS_PER_CALL` requests before any is made.
+def check_fan_out(num_prompts: int, num_reqs: int, prompt_param: str,
+                  max_reqs: int | None = MAX_REQS_PER_CALL) -> None:
+    """Refuse a call of more than `max_reqs` requests before any is made.
 
     Parameters
     ----------
     num_prompts: the call's prompts.
     num_reqs: its requests, prompts x n.
     prompt_param: the prompt field, named when there are several prompts (else ``n``).
+    max_reqs: the cap; None checks nothing.
 
     Raises
     ------
     CallTooLargeError
     """
-    if num_reqs > MAX_REQS_PER_CALL:
+    if max_reqs is not None and num_reqs > max_reqs:
         raise CallTooLargeError(
-            f"this call makes {num_reqs} requests (prompts x n), more than the {MAX_REQS_PER_CALL} one call "
+            f"this call makes {num_reqs} requests (prompts x n), more than the {max_reqs} one call "
             "may make; send fewer per call",
             param=prompt_param if num_prompts > 1 else "n",
         )
@@ -175,15 +179,18 @@ class BatchRules:
         without an explicit one generation just stops at the context's end.
     never_fits_param: when set, a call of more requests than the server ever
         holds at once is refused naming this field, instead of reported busy.
+    max_reqs_per_call: the most requests one call may make; None: no cap.
     """
 
     grammar_fails_alone: bool = False
     check_context: bool = False
     never_fits_param: str | None = None
+    max_reqs_per_call: int | None = MAX_REQS_PER_CALL
 
 
-# The in-process Engine (and /health_generate, which runs as it does).
-ENGINE_RULES = BatchRules(grammar_fails_alone=True)
+# The in-process Engine (and /health_generate, which runs as it does). Its caller is the
+# process's own code, as with SGLang's Engine: an offline batch of any size is one call.
+ENGINE_RULES = BatchRules(grammar_fails_alone=True, max_reqs_per_call=None)
 
 
 async def build_batch(manager: TokenizerManager, reqs: list[GenerateReqInput], rules: BatchRules) -> list[BatchItem]:
@@ -215,8 +222,8 @@ async def build_batch(manager: TokenizerManager, reqs: list[GenerateReqInput], r
     ServerOverloadedError: no room in the queue for the call now.
     """
     check_distinct_rids(reqs)
-    if len(reqs) > MAX_REQS_PER_CALL:  # a list built by hand, not by expand_requests
-        check_fan_out(len(reqs), len(reqs), rules.never_fits_param or "prompt")
+    # A list built by hand, not by expand_requests.
+    check_fan_out(len(reqs), len(reqs), rules.never_fits_param or "prompt", rules.max_reqs_per_call)
     if rules.never_fits_param is not None:
         check_possible(manager, len(reqs), rules.never_fits_param)
     grammar_alone = rules.grammar_fails_alone and len(reqs) > 1

@@ -85,11 +85,18 @@ class UnboundedManager(FakeManager):
     max_in_flight = None
 
 
-@pytest.mark.parametrize("rules", [ENGINE_RULES, NATIVE_RULES, OPENAI_RULES], ids=["engine", "native", "openai"])
-def test_build_batch_bounds_a_call_without_a_queue_limit(rules):
+@pytest.mark.parametrize("rules", [NATIVE_RULES, OPENAI_RULES], ids=["native", "openai"])
+def test_build_batch_bounds_an_http_call_without_a_queue_limit(rules):
     reqs = [GenerateReqInput(text="x", sampling_params={}) for _ in range(MAX_REQS_PER_CALL + 1)]
     with pytest.raises(CallTooLargeError):
         asyncio.run(build_batch(UnboundedManager(), reqs, rules))
+
+
+def test_the_engine_takes_an_offline_batch_of_any_size():
+    """The in-process Engine is its caller's own code (as SGLang's): no per-call cap there."""
+    reqs, is_batch = expand_requests(["x"] * (2 * MAX_REQS_PER_CALL), None, {"n": 2}, max_reqs=None)
+    assert len(reqs) == 4 * MAX_REQS_PER_CALL and is_batch
+    assert ENGINE_RULES.max_reqs_per_call is None
 
 
 def test_completions_prompts_times_n_is_bounded():
