@@ -26,6 +26,8 @@ import torch
 
 from arborlm.envs import ENVS
 from arborlm.errors import ModelLoadError
+from arborlm.runtime import gguf_config
+from arborlm.runtime.gguf_mixtral import convert_mixtral
 from arborlm.runtime.models import registry
 
 logger = logging.getLogger(__name__)
@@ -192,11 +194,14 @@ def _converted_gguf(gguf_file: Path, cache_dir: Path, progress: bool) -> Path:
     into place at the end: an interrupted conversion leaves no half cache.
     """
     stat = gguf_file.stat()
-    target = cache_dir / f"{gguf_file.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    # The conversion version: folders converted under older rules are converted again.
+    target = cache_dir / f"{gguf_file.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{gguf_config.CONVERSION_VERSION}"
     if (target / "config.json").is_file():
         return target
     # Refuse an architecture we do not serve before minutes of conversion, not after.
     registry.architecture_from_gguf(gguf_architecture(gguf_file), str(gguf_file))
+    # What transformers' GGUF reader drops (or a refusal of what config.json cannot say).
+    settings = gguf_config.read_settings(gguf_file)
     cache_dir.mkdir(parents=True, exist_ok=True)
     logger.info("converting %s to a Hugging Face checkpoint in %s (once)", gguf_file, target)
     print(f"arborlm: converting {gguf_file.name} to {target} (once; later starts reuse it)")
@@ -204,7 +209,11 @@ def _converted_gguf(gguf_file: Path, cache_dir: Path, progress: bool) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=cache_dir))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any checkpoint
     try:
-        _convert(gguf_file, tmp, progress)
+        if settings.architecture == gguf_config.MIXTRAL:  # transformers' reader would make a dense Llama
+            convert_mixtral(gguf_file, tmp, settings)
+        else:
+            _convert(gguf_file, tmp, progress, gguf_config.hf_config(gguf_file, settings))
+        gguf_config.patch_config(tmp, settings)
         try:
             os.rename(tmp, target)
         except OSError:  # another process finished first
@@ -218,7 +227,9 @@ def _converted_gguf(gguf_file: Path, cache_dir: Path, progress: bool) -> Path:
     return target
 
 
-def _convert(gguf_file: Path, out_dir: Path, progress: bool) -> None:
+def _convert(gguf_file: Path, out_dir: Path, progress: bool, config=None) -> None:
+    """Dequantize `gguf_file` with transformers into `out_dir`; `config` (a transformers
+    config, default the one its GGUF reader makes) sizes the model the tensors fill."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -229,7 +240,7 @@ def _convert(gguf_file: Path, out_dir: Path, progress: bool) -> None:
         folder, name = str(gguf_file.parent), gguf_file.name
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=name, dtype=torch.float32, **_dequantize_kwargs()
+            folder, gguf_file=name, config=config, dtype=torch.float32, **_dequantize_kwargs()
         )
     except Exception as exc:
         raise ModelLoadError(f"cannot convert GGUF file {str(gguf_file)!r}: {exc}") from exc

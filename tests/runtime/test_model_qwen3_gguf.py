@@ -1,7 +1,16 @@
-"""Qwen3 and Qwen3-MoE from GGUF files: a tiny model written with the `gguf` package, converted
-by the loader (through transformers' GGUF reader) and served, against the original model."""
+"""Qwen3 and Qwen3-MoE from GGUF files: a tiny model written with the `gguf` package as
+llama.cpp writes it, converted by the loader (transformers' GGUF reader, then the settings
+it drops from `gguf_config`) and served, against the original model.
+
+The sizes transformers' reader does not read are not its defaults here: Qwen3's head_dim
+(`attention.key_length`; the reader falls back to 128) and Qwen3-MoE's expert width
+(`expert_feed_forward_length`; 768). A qwen3moe file means every layer sparse and
+renormalised top-k (llama.cpp's qwen3moe graph), so the MoE original has norm_topk_prob.
+"""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -9,13 +18,9 @@ from arborlm.runtime.model_loader import check_architecture, resolve_checkpoint
 from tests.runtime.family_helpers import check_greedy, check_prompt_logits, tiny_checkpoint
 from tests.runtime.gguf_writer import write_gguf
 
-# transformers' GGUF reader does not read Qwen3's attention.key_length nor Qwen3-MoE's
-# expert_feed_forward_length: the converted config keeps Qwen3Config's head_dim (128) and
-# Qwen3MoeConfig's moe_intermediate_size (768), so the tiny models keep them too. A qwen3moe
-# file means every layer sparse and renormalised top-k (llama.cpp's qwen3moe graph).
-CASES = {  # model_type -> config on top of TINY
-    "qwen3": dict(),  # head_dim 128 over hidden 64 and 4 heads
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, head_dim=16, norm_topk_prob=True),
+CASES = {  # model_type -> config on top of TINY (hidden 64, 4 heads)
+    "qwen3": dict(head_dim=24),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, head_dim=16, moe_intermediate_size=40, norm_topk_prob=True),
 }
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
@@ -33,6 +38,9 @@ def gguf_checkpoint(request, tmp_path_factory):
 def test_gguf_converts_to_the_family(gguf_checkpoint):
     converted, reference = gguf_checkpoint
     assert check_architecture(converted) == ARCHITECTURES[reference.config.model_type]
+    config = json.loads((converted / "config.json").read_text())
+    for name, value in CASES[reference.config.model_type].items():
+        assert config[name] == value, name
 
 
 def test_gguf_prompt_logits_match_the_original(gguf_checkpoint):

@@ -44,7 +44,7 @@ MODELS: tuple[ModelEntry, ...] = (
     ModelEntry("MistralForCausalLM", "mistral", "mistral", "arborlm.runtime.models.llama:LlamaForCausalLM"),
     ModelEntry("Qwen3ForCausalLM", "qwen3", "qwen3", "arborlm.runtime.models.qwen3:Qwen3ForCausalLM"),
     ModelEntry("Qwen3MoeForCausalLM", "qwen3_moe", "qwen3moe", "arborlm.runtime.models.qwen3_moe:Qwen3MoeForCausalLM"),
-    # GGUF files of Mixtral say "llama" (with expert counts): not told apart from Llama yet.
+    # GGUF files of Mixtral say "llama", with experts: see GGUF_MOE_ARCHITECTURES.
     ModelEntry("MixtralForCausalLM", "mixtral", None, "arborlm.runtime.models.mixtral:MixtralForCausalLM"),
     ModelEntry("Gemma3ForCausalLM", "gemma3_text", "gemma3", "arborlm.runtime.models.gemma3:Gemma3ForCausalLM"),
     ModelEntry("Phi3ForCausalLM", "phi3", "phi3", "arborlm.runtime.models.phi3:Phi3ForCausalLM"),
@@ -52,6 +52,9 @@ MODELS: tuple[ModelEntry, ...] = (
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(e.architecture for e in MODELS)
 SUPPORTED_GGUF_ARCHS: tuple[str, ...] = tuple(e.gguf_arch for e in MODELS if e.gguf_arch is not None)
+# GGUF architectures whose files with experts (`{arch}.expert_count` > 0) are another family:
+# llama.cpp's convert_hf_to_gguf.py writes MixtralForCausalLM with its LlamaModel.
+GGUF_MOE_ARCHITECTURES: dict[str, str] = {"llama": "MixtralForCausalLM"}
 
 
 def _unsupported(found: object, supported: tuple[str, ...], source: str | None = None) -> ModelLoadError:
@@ -99,14 +102,19 @@ def architecture_from_config(config: dict, source: str) -> str:
     raise _unsupported(names or config.get("model_type"), SUPPORTED_ARCHITECTURES, source)
 
 
-def architecture_from_gguf(gguf_arch: str, source: str) -> str:
+def architecture_from_gguf(gguf_arch: str, source: str, num_experts: int = 0) -> str:
     """The config.json architecture of a GGUF file whose `general.architecture` is `gguf_arch`.
+
+    `num_experts` is the file's `{arch}.expert_count` (0 when absent): a "llama" file with
+    experts is Mixtral (`GGUF_MOE_ARCHITECTURES`).
 
     Raises
     ------
     ModelLoadError
         For a GGUF architecture not in `SUPPORTED_GGUF_ARCHS`, naming it and the supported ones.
     """
+    if num_experts > 0 and gguf_arch in GGUF_MOE_ARCHITECTURES:
+        return GGUF_MOE_ARCHITECTURES[gguf_arch]
     for e in MODELS:
         if e.gguf_arch == gguf_arch:
             return e.architecture

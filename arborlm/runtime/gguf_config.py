@@ -1,0 +1,505 @@
+"""The Hugging Face config of a GGUF file: the settings transformers' GGUF reader drops.
+
+`model_loader` converts a GGUF file into a checkpoint folder with transformers' reader,
+whose key table (`transformers/integrations/ggml.py`) covers only part of what llama.cpp's
+`convert_hf_to_gguf.py` writes. A setting it skips falls back to transformers' config
+default and the converted model is another model: Qwen3's head_dim (128), Qwen3-MoE's
+expert width (768), Gemma 3's rope scaling, local rope base and layer pattern, Phi-3's
+LongRoPE, partial rotary and window. And a Mixtral file, which says "llama", would become
+a dense Llama.
+
+This module reads a file's metadata with the `gguf` package's `GGUFReader` and derives,
+per family, the config.json fields that describe the model as llama.cpp runs that file:
+`read_settings` before the conversion (it refuses, with a `ModelLoadError` naming the
+key, what config.json cannot say), `hf_config` for it (the model transformers fills
+must have the file's sizes), `patch_config` after it. Key names are llama.cpp's
+(`gguf-py/gguf/constants.py`, `Keys`), spelled out here so that older `gguf` packages
+do not matter. Where llama.cpp stores no key but derives the setting in
+`src/llama-model.cpp` (Gemma 3's attention scale, its default layer pattern and local
+base; Qwen3-MoE's renormalised top-k), the same rule is applied.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from arborlm.errors import ModelLoadError
+from arborlm.runtime.models import registry
+
+# Raised when the rules below change, so that folders converted before are converted again.
+CONVERSION_VERSION = 2
+
+# llama.cpp's metadata keys ({arch} is general.architecture).
+BLOCK_COUNT = "{arch}.block_count"
+CONTEXT_LENGTH = "{arch}.context_length"
+EMBEDDING_LENGTH = "{arch}.embedding_length"
+FEED_FORWARD_LENGTH = "{arch}.feed_forward_length"
+VOCAB_SIZE = "{arch}.vocab_size"
+HEAD_COUNT = "{arch}.attention.head_count"
+HEAD_COUNT_KV = "{arch}.attention.head_count_kv"
+KEY_LENGTH = "{arch}.attention.key_length"
+VALUE_LENGTH = "{arch}.attention.value_length"
+RMS_EPS = "{arch}.attention.layer_norm_rms_epsilon"
+SLIDING_WINDOW = "{arch}.attention.sliding_window"
+SLIDING_WINDOW_PATTERN = "{arch}.attention.sliding_window_pattern"
+FINAL_LOGIT_SOFTCAPPING = "{arch}.final_logit_softcapping"
+EXPERT_COUNT = "{arch}.expert_count"
+EXPERT_USED_COUNT = "{arch}.expert_used_count"
+EXPERT_FEED_FORWARD_LENGTH = "{arch}.expert_feed_forward_length"
+EXPERT_SHARED_COUNT = "{arch}.expert_shared_count"
+ROPE_DIMENSION_COUNT = "{arch}.rope.dimension_count"
+ROPE_FREQ_BASE = "{arch}.rope.freq_base"
+ROPE_FREQ_BASE_SWA = "{arch}.rope.freq_base_swa"
+ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"
+ROPE_SCALING_FACTOR = "{arch}.rope.scaling.factor"
+ROPE_SCALE_LINEAR = "{arch}.rope.scale_linear"  # the linear factor's key before rope.scaling.*
+ROPE_SCALING_ATTN_FACTOR = "{arch}.rope.scaling.attn_factor"
+ROPE_SCALING_ORIG_CTX_LEN = "{arch}.rope.scaling.original_context_length"
+YARN_KEYS = {  # HF yarn field -> llama.cpp key
+    "beta_fast": "{arch}.rope.scaling.yarn_beta_fast",
+    "beta_slow": "{arch}.rope.scaling.yarn_beta_slow",
+    "attention_factor": "{arch}.rope.scaling.yarn_attn_factor",
+}
+TOKEN_ID_KEYS = {  # config.json field -> llama.cpp key
+    "bos_token_id": "tokenizer.ggml.bos_token_id",
+    "eos_token_id": "tokenizer.ggml.eos_token_id",
+    "pad_token_id": "tokenizer.ggml.padding_token_id",
+}
+TOKEN_LIST = "tokenizer.ggml.tokens"
+# Phi-3's LongRoPE factors are tensors, not metadata (MODEL_TENSOR.ROPE_FACTORS_SHORT / _LONG).
+ROPE_FACTOR_TENSORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+# llama-model.cpp's Gemma 3: every 6th layer global, local rope base 10k, unless the file says otherwise.
+GEMMA3_SWA_PERIOD = 6
+GEMMA3_LOCAL_ROPE_BASE = 10_000.0
+GEMMA3_27B_LAYERS = 62
+MIXTRAL = "MixtralForCausalLM"
+
+
+@dataclass(frozen=True)
+class GGUFMetadata:
+    """What a GGUF file says about its model, its tokenizer's vocabulary and weights aside.
+
+    Attributes
+    ----------
+    path: the file, for error messages.
+    arch: `general.architecture` (llama.cpp's family name), which fills `{arch}` in keys.
+    fields: metadata key -> value (int, float, bool, str or a list of them); the
+        tokenizer's per-token arrays are left out.
+    tensor_shapes: tensor name -> shape in torch order (rows first).
+    rope_factors: "short_factor" / "long_factor" -> the values of Phi-3's LongRoPE
+        factor tensors present in the file.
+    num_tokens: the length of `tokenizer.ggml.tokens`, or None without one.
+    """
+
+    path: str
+    arch: str
+    fields: dict = field(repr=False)
+    tensor_shapes: dict = field(repr=False)
+    rope_factors: dict = field(repr=False)
+    num_tokens: int | None = None
+
+    def get(self, key: str, default=None):
+        """The value of `key` ("{arch}." filled in), or `default` when the file lacks it."""
+        return self.fields.get(key.format(arch=self.arch), default)
+
+    def require(self, key: str):
+        """The value of `key`; a ModelLoadError naming it when the file lacks it."""
+        value = self.get(key)
+        if value is None:
+            raise self.error(f"it has no {key.format(arch=self.arch)}")
+        return value
+
+    def error(self, message: str) -> ModelLoadError:
+        """The error for a setting of this file that cannot be served."""
+        return ModelLoadError(f"cannot serve GGUF file {self.path!r}: {message}")
+
+
+@dataclass(frozen=True)
+class GGUFSettings:
+    """How a GGUF file is served.
+
+    architecture: the config.json architecture (a `registry.MODELS` name).
+    config: config.json fields that transformers' reader does not write; nested dicts
+        (rope_parameters) merge into the converted ones. For Mixtral, the whole config.
+    """
+
+    architecture: str
+    config: dict
+
+
+def read_metadata(gguf_file: Path) -> GGUFMetadata:
+    """The metadata, tensor shapes and LongRoPE factors of a GGUF file (`gguf.GGUFReader`).
+
+    The reader maps the file; no weight is read but the LongRoPE factors.
+
+    Raises
+    ------
+    ModelLoadError
+        For a file the reader cannot parse.
+    """
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(gguf_file))
+        fields = {name: _field_value(f) for name, f in reader.fields.items() if not _is_token_array(name)}
+        arch = fields["general.architecture"]
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read the metadata of GGUF file {str(gguf_file)!r}: {exc!r}") from exc
+    tokens = reader.fields.get(TOKEN_LIST)
+    return GGUFMetadata(
+        path=str(gguf_file),
+        arch=arch,
+        fields=fields,
+        tensor_shapes={t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors},
+        rope_factors=_rope_factors(reader),
+        num_tokens=None if tokens is None else len(tokens.data),
+    )
+
+
+def _is_token_array(name: str) -> bool:
+    """Per-token arrays (tokens, scores, types, merges): large, and the tokenizer's business."""
+    return name.startswith("tokenizer.ggml.") and name.rsplit(".", 1)[1] in ("tokens", "scores", "token_type", "merges")
+
+
+def _field_value(reader_field):
+    """A `ReaderField`'s value: a scalar or string, or a list of them for an array."""
+    from gguf import GGUFValueType
+
+    parts = [reader_field.parts[i] for i in reader_field.data]
+    if reader_field.types[-1] == GGUFValueType.STRING:
+        values = [bytes(part).decode("utf-8") for part in parts]
+    else:
+        values = [part.tolist()[0] for part in parts]
+    return values if reader_field.types[0] == GGUFValueType.ARRAY else values[0]
+
+
+def _rope_factors(reader) -> dict[str, list[float]]:
+    """The LongRoPE factor tensors of the file, as float lists (llama.cpp writes them float32)."""
+    import numpy as np
+    from gguf import dequantize
+
+    by_name = {t.name: t for t in reader.tensors}
+    return {
+        key: np.asarray(dequantize(by_name[name].data, by_name[name].tensor_type), dtype=np.float32).ravel().tolist()
+        for key, name in ROPE_FACTOR_TENSORS.items()
+        if name in by_name
+    }
+
+
+def read_settings(gguf_file: Path) -> GGUFSettings:
+    """How to serve `gguf_file`: its architecture and the config fields transformers' reader drops.
+
+    A `llama` file with experts (`llama.expert_count` > 0) is Mixtral, as llama.cpp's
+    converter writes it.
+
+    Raises
+    ------
+    ModelLoadError
+        For an unreadable file, an architecture we do not serve, a required key
+        missing, or a setting config.json cannot represent (each named).
+    """
+    meta = read_metadata(gguf_file)
+    num_experts = int(meta.get(EXPERT_COUNT, 0) or 0)
+    architecture = registry.architecture_from_gguf(meta.arch, meta.path, num_experts=num_experts)
+    return GGUFSettings(architecture, _FAMILY_FIELDS.get(architecture, _rope_fields)(meta))
+
+
+def patch_config(checkpoint: Path, settings: GGUFSettings) -> None:
+    """Write `settings.config` into `checkpoint/config.json` (nested dicts merged, others replaced)."""
+    path = checkpoint / "config.json"
+    config = _merged(json.loads(path.read_text()), settings.config)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def hf_config(gguf_file: Path, settings: GGUFSettings):
+    """The transformers config to convert `gguf_file`'s weights with.
+
+    transformers' GGUF reader's config with `settings.config` merged in: built from the
+    reader's own, a model of the sizes it misses (Qwen3's head_dim, Qwen3-MoE's expert
+    width) would get those tensors re-initialised, not loaded.
+
+    Raises
+    ------
+    ModelLoadError
+        When transformers cannot read the file's config.
+    """
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read the config of GGUF file {str(gguf_file)!r}: {exc}") from exc
+    return type(config).from_dict(_merged(config.to_dict(), settings.config))
+
+
+def _merged(base: dict, patch: dict) -> dict:
+    merged = dict(base)
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            value = _merged(merged[key], value)
+        merged[key] = value
+    return merged
+
+
+# ---------------------------------------------------------------- shared settings
+
+
+def _rope_scaling(meta: GGUFMetadata) -> dict:
+    """rope_parameters fields of the file's rope scaling; {} for none.
+
+    As llama.cpp reads it: `rope.scaling.type` (default linear) with `rope.scaling.factor`
+    (or the older `rope.scale_linear`); a factor of 0 or 1 scales nothing.
+    """
+    kind = meta.get(ROPE_SCALING_TYPE)
+    factor = meta.get(ROPE_SCALING_FACTOR, meta.get(ROPE_SCALE_LINEAR))
+    if kind == "none" or (kind in (None, "linear") and factor in (None, 0.0, 1.0)):
+        return {}
+    if kind in (None, "linear"):
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        return _yarn(meta, factor)
+    raise meta.error(f"{ROPE_SCALING_TYPE.format(arch=meta.arch)} = {kind!r} is not a scaling of this family")
+
+
+def _yarn(meta: GGUFMetadata, factor) -> dict:
+    """YaRN in transformers' fields (the model builder says whether it is served)."""
+    scaling = {
+        "rope_type": "yarn",
+        "factor": float(factor or 1.0),
+        "original_max_position_embeddings": int(meta.require(ROPE_SCALING_ORIG_CTX_LEN)),
+    }
+    for name, key in YARN_KEYS.items():
+        if meta.get(key) is not None:
+            scaling[name] = float(meta.get(key))
+    return scaling
+
+
+def _rope(meta: GGUFMetadata) -> dict:
+    """One rope_parameters dict: the base (where the file has one) and the scaling."""
+    rope = {"rope_type": "default", **_rope_scaling(meta)}
+    if meta.get(ROPE_FREQ_BASE) is not None:
+        rope["rope_theta"] = float(meta.get(ROPE_FREQ_BASE))
+    return rope
+
+
+def _rope_fields(meta: GGUFMetadata) -> dict:
+    """rope_parameters when the file scales its rope (transformers' reader never reads scaling)."""
+    return {"rope_parameters": _rope(meta)} if _rope_scaling(meta) else {}
+
+
+def _head_dim(meta: GGUFMetadata) -> dict:
+    """head_dim from `attention.key_length`; config.json has one size for keys and values."""
+    key, value = meta.get(KEY_LENGTH), meta.get(VALUE_LENGTH)
+    if key is None:
+        return {}
+    if value is not None and value != key:
+        raise meta.error(f"attention.key_length {key} != attention.value_length {value}: config.json has one head_dim")
+    return {"head_dim": int(key)}
+
+
+def _token_ids(meta: GGUFMetadata) -> dict:
+    return {name: int(meta.get(key)) for name, key in TOKEN_ID_KEYS.items() if meta.get(key) is not None}
+
+
+# ---------------------------------------------------------------- families
+
+
+def _qwen3_fields(meta: GGUFMetadata) -> dict:
+    """Qwen3: head_dim (`attention.key_length`) and rope scaling."""
+    return {**_head_dim(meta), **_rope_fields(meta)}
+
+
+def _qwen3_moe_fields(meta: GGUFMetadata) -> dict:
+    """Qwen3-MoE: Qwen3's fields, the expert counts and width; every layer sparse, top-k renormalised.
+
+    llama.cpp's qwen3moe graph (`src/models/qwen3moe.cpp`) builds each layer from the
+    `*_exps` tensors and always renormalises the chosen weights, whatever the original
+    `norm_topk_prob` was; the file records neither.
+    """
+    if meta.get(EXPERT_SHARED_COUNT):
+        raise meta.error(f"{EXPERT_SHARED_COUNT.format(arch=meta.arch)} > 0: Qwen3-MoE has no shared experts")
+    return {
+        **_qwen3_fields(meta),
+        "num_experts": int(meta.require(EXPERT_COUNT)),
+        "num_experts_per_tok": int(meta.require(EXPERT_USED_COUNT)),
+        "moe_intermediate_size": _expert_width(meta),
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
+
+
+def _expert_width(meta: GGUFMetadata) -> int:
+    """`expert_feed_forward_length`, else the width of the first layer's down experts (E, hidden, width)."""
+    width = meta.get(EXPERT_FEED_FORWARD_LENGTH)
+    if width is not None:
+        return int(width)
+    shape = meta.tensor_shapes.get("blk.0.ffn_down_exps.weight")
+    if shape is None:
+        raise meta.error(f"it has neither {EXPERT_FEED_FORWARD_LENGTH.format(arch=meta.arch)} nor blk.0.ffn_down_exps")
+    return shape[-1]
+
+
+def _gemma3_fields(meta: GGUFMetadata) -> dict:
+    """Gemma 3: head_dim, the attention scale, window and layer pattern, both rope kinds, soft-cap."""
+    head = _head_dim(meta)
+    window = int(meta.get(SLIDING_WINDOW, 0) or 0)
+    fields = {
+        **head,
+        "query_pre_attn_scalar": _gemma3_query_scalar(meta, head.get("head_dim")),
+        "sliding_window": window or None,
+        "layer_types": _gemma3_layer_types(meta, window),
+        "rope_parameters": {
+            FULL: _rope(meta),
+            # llama.cpp's Gemma 3 never scales the local layers' rope.
+            SLIDING: {"rope_type": "default", "rope_theta": float(meta.get(ROPE_FREQ_BASE_SWA, GEMMA3_LOCAL_ROPE_BASE))},
+        },
+    }
+    if meta.get(FINAL_LOGIT_SOFTCAPPING):
+        fields["final_logit_softcapping"] = float(meta.get(FINAL_LOGIT_SOFTCAPPING))
+    return fields
+
+
+def _gemma3_query_scalar(meta: GGUFMetadata, head_dim: int | None) -> int:
+    """query_pre_attn_scalar, which the file does not store.
+
+    llama-model.cpp scales queries by 1/sqrt(hidden / heads) for the 27B (62 layers)
+    and by 1/sqrt(head_dim) for the others, as Google's gemma_pytorch config does (and
+    as the released configs say: 168 for the 27B, 256 = head_dim for the rest).
+    """
+    if int(meta.require(BLOCK_COUNT)) == GEMMA3_27B_LAYERS:
+        return int(meta.require(EMBEDDING_LENGTH)) // int(meta.require(HEAD_COUNT))
+    return int(head_dim or meta.require(KEY_LENGTH))
+
+
+def _gemma3_layer_types(meta: GGUFMetadata, window: int) -> list[str]:
+    """Each layer's attention kind as llama.cpp runs it.
+
+    No window: every layer global. Else `attention.sliding_window_pattern`, one flag
+    per layer (true = sliding) or a period n (every n-th layer global), default 6.
+    """
+    num_layers = int(meta.require(BLOCK_COUNT))
+    if not window:
+        return [FULL] * num_layers
+    pattern = meta.get(SLIDING_WINDOW_PATTERN, GEMMA3_SWA_PERIOD)
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise meta.error(f"attention.sliding_window_pattern has {len(pattern)} flags for {num_layers} layers")
+        return [SLIDING if flag else FULL for flag in pattern]
+    if int(pattern) < 1:
+        raise meta.error(f"attention.sliding_window_pattern = {pattern} is not a period of layers")
+    return [SLIDING if (i + 1) % int(pattern) else FULL for i in range(num_layers)]
+
+
+def _phi3_fields(meta: GGUFMetadata) -> dict:
+    """Phi-3: partial rotary, LongRoPE (factor tensors), original context, sliding window.
+
+    As llama.cpp's `Phi3MiniModel` writes them: `rope.dimension_count` is
+    int(partial_rotary_factor * hidden) // heads, a window of 0 means none (Phi-4).
+    """
+    head_dim = int(meta.require(EMBEDDING_LENGTH)) // int(meta.require(HEAD_COUNT))
+    rotary_dim = int(meta.get(ROPE_DIMENSION_COUNT, head_dim))
+    partial = rotary_dim / head_dim
+    if int(head_dim * partial) != rotary_dim:
+        raise meta.error(f"rope.dimension_count {rotary_dim} is no partial_rotary_factor of head_dim {head_dim}")
+    original = meta.get(ROPE_SCALING_ORIG_CTX_LEN)
+    # Phi-3's only scaling is LongRoPE, told by its factor tensors (no rope.scaling.type).
+    rope = {"rope_type": "default", "partial_rotary_factor": partial, **_longrope(meta, rotary_dim, original)}
+    if meta.get(ROPE_FREQ_BASE) is not None:
+        rope["rope_theta"] = float(meta.get(ROPE_FREQ_BASE))
+    fields = {"rope_parameters": rope, "sliding_window": int(meta.get(SLIDING_WINDOW, 0) or 0) or None}
+    if original is not None:
+        fields["original_max_position_embeddings"] = int(original)
+    return fields
+
+
+def _longrope(meta: GGUFMetadata, rotary_dim: int, original: int | None) -> dict:
+    """LongRoPE rope_parameters from the factor tensors; {} for a file without them.
+
+    The attention factor is written only where the file's `rope.scaling.attn_factor`
+    is not transformers' default sqrt(1 + ln(s) / ln(original)), s = context / original
+    (llama.cpp's converter writes exactly that default).
+
+    Raises
+    ------
+    ModelLoadError
+        For one factor tensor without the other, a list not rotary_dim / 2 long, or
+        factors without `rope.scaling.original_context_length`.
+    """
+    factors = meta.rope_factors
+    if not factors:
+        return {}
+    if set(factors) != set(ROPE_FACTOR_TENSORS):
+        raise meta.error(f"it has only {sorted(ROPE_FACTOR_TENSORS[k] for k in factors)} of the LongRoPE factors")
+    for key, values in factors.items():
+        if len(values) != rotary_dim // 2:
+            raise meta.error(f"{ROPE_FACTOR_TENSORS[key]} has {len(values)} factors, rotary dim {rotary_dim} needs {rotary_dim // 2}")
+    if original is None:
+        raise meta.error(f"LongRoPE factors without {ROPE_SCALING_ORIG_CTX_LEN.format(arch=meta.arch)}")
+    rope = {"rope_type": "longrope", **factors, "original_max_position_embeddings": int(original)}
+    attn_factor = meta.get(ROPE_SCALING_ATTN_FACTOR)
+    scale = int(meta.require(CONTEXT_LENGTH)) / int(original)
+    default = math.sqrt(1 + math.log(scale) / math.log(int(original))) if scale > 1 else 1.0
+    if attn_factor is not None and not math.isclose(attn_factor, default, rel_tol=1e-5):
+        rope["attention_factor"] = float(attn_factor)
+    return rope
+
+
+def _mixtral_config(meta: GGUFMetadata) -> dict:
+    """The whole config.json of a Mixtral file (general.architecture "llama" with experts).
+
+    llama.cpp's `LlamaModel` writes Mixtral: the llama keys, `expert_count`,
+    `expert_used_count`; `feed_forward_length` is the experts' width; rope on whole heads.
+    """
+    hidden, heads = int(meta.require(EMBEDDING_LENGTH)), int(meta.require(HEAD_COUNT))
+    head_dim = int(meta.get(KEY_LENGTH) or meta.get(ROPE_DIMENSION_COUNT) or hidden // heads)
+    if int(meta.get(ROPE_DIMENSION_COUNT, head_dim)) != head_dim:
+        raise meta.error(f"rope.dimension_count {meta.get(ROPE_DIMENSION_COUNT)} != head_dim {head_dim}: Mixtral rotates whole heads")
+    return {
+        "architectures": [MIXTRAL],
+        "model_type": "mixtral",
+        "dtype": "float32",
+        "hidden_act": "silu",
+        "vocab_size": _vocab_size(meta),
+        "hidden_size": hidden,
+        "intermediate_size": int(meta.get(EXPERT_FEED_FORWARD_LENGTH) or meta.require(FEED_FORWARD_LENGTH)),
+        "num_hidden_layers": int(meta.require(BLOCK_COUNT)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get(HEAD_COUNT_KV, heads)),
+        "head_dim": head_dim,
+        "max_position_embeddings": int(meta.require(CONTEXT_LENGTH)),
+        "rms_norm_eps": float(meta.require(RMS_EPS)),
+        # llama.cpp's default base when the file has none.
+        "rope_parameters": {"rope_theta": 10_000.0, **_rope(meta)},
+        "num_local_experts": int(meta.require(EXPERT_COUNT)),
+        "num_experts_per_tok": int(meta.require(EXPERT_USED_COUNT)),
+        "sliding_window": int(meta.get(SLIDING_WINDOW, 0) or 0) or None,
+        # llama.cpp writes no output tensor for a tied head.
+        "tie_word_embeddings": "output.weight" not in meta.tensor_shapes,
+        **_token_ids(meta),
+    }
+
+
+def _vocab_size(meta: GGUFMetadata) -> int:
+    """`{arch}.vocab_size`, else the token list's length, else the embedding's rows."""
+    if meta.get(VOCAB_SIZE) is not None:
+        return int(meta.get(VOCAB_SIZE))
+    if meta.num_tokens is not None:
+        return meta.num_tokens
+    return meta.tensor_shapes["token_embd.weight"][0]
+
+
+_FAMILY_FIELDS: dict[str, Callable[[GGUFMetadata], dict]] = {
+    "Qwen3ForCausalLM": _qwen3_fields,
+    "Qwen3MoeForCausalLM": _qwen3_moe_fields,
+    "Gemma3ForCausalLM": _gemma3_fields,
+    "Phi3ForCausalLM": _phi3_fields,
+    MIXTRAL: _mixtral_config,
+}
+
