@@ -28,6 +28,10 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256  # characters
 # Stop token ids: a model's special tokens (Llama 3 reserves 256) fit.
 MAX_STOP_TOKEN_IDS = 256
+# logit_bias entries: the sampler adds each one per row and step in a Python loop
+# (`sampling.apply_logit_bias`), so their count is capped. OpenAI's reference states no number;
+# 1024 holds every use seen (banning a word list, forcing a label set) with room to spare.
+MAX_LOGIT_BIAS_ENTRIES = 1024
 # Integer fields are int64 on the way to the sampler's tensors (and OpenAI's `seed` is one).
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # A logit_bias key is a token id's decimal text: an int64 has at most 19 digits.
@@ -231,7 +235,13 @@ class SamplingParams:
         self._verify_token_ids(vocab_size)
 
     def _verify_token_ids(self, vocab_size: int) -> None:
-        """`logit_bias` and `stop_token_ids` name tokens of the vocabulary."""
+        """`logit_bias` (at most `MAX_LOGIT_BIAS_ENTRIES` entries) and `stop_token_ids` name tokens
+        of the vocabulary."""
+        if len(self.logit_bias or ()) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidRequestError(
+                f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}",
+                "logit_bias",
+            )
         for token_id, bias in self._logit_bias_items():
             if not 0 <= token_id < vocab_size:
                 raise InvalidRequestError(
