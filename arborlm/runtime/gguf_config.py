@@ -8,13 +8,11 @@ expert width (768), Gemma 3's rope scaling, local rope base and layer pattern, P
 LongRoPE, partial rotary and window. And a Mixtral file, which says "llama", would become
 a dense Llama.
 
-This module reads a file's metadata with the `gguf` package's `GGUFReader` and derives,
-per family, the config.json fields that describe the model as llama.cpp runs that file:
-`read_settings` before the conversion (it refuses, with a `ModelLoadError` naming the
-key, what config.json cannot say), `hf_config` for it (the model transformers fills
-must have the file's sizes), `patch_config` after it. Key names are llama.cpp's
-(`gguf-py/gguf/constants.py`, `Keys`), spelled out here so that older `gguf` packages
-do not matter. Where llama.cpp stores no key but derives the setting in
+From a file's metadata (`gguf_metadata`) this module derives, per family, the config.json
+fields that describe the model as llama.cpp runs that file: `read_settings` before the
+conversion (it refuses, with a `ModelLoadError` naming the key, what config.json cannot
+say), `hf_config` for it (the model transformers fills must have the file's sizes),
+`patch_config` after it. Where llama.cpp stores no key but derives the setting in
 `src/llama-model.cpp` (Gemma 3's attention scale, its default layer pattern and local
 base; Qwen3-MoE's renormalised top-k), the same rule is applied.
 """
@@ -24,100 +22,53 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from arborlm.errors import ModelLoadError
+from arborlm.runtime.gguf_metadata import (
+    BLOCK_COUNT,
+    CONTEXT_LENGTH,
+    EMBEDDING_LENGTH,
+    EXPERT_COUNT,
+    EXPERT_FEED_FORWARD_LENGTH,
+    EXPERT_SHARED_COUNT,
+    EXPERT_USED_COUNT,
+    FEED_FORWARD_LENGTH,
+    FINAL_LOGIT_SOFTCAPPING,
+    HEAD_COUNT,
+    HEAD_COUNT_KV,
+    KEY_LENGTH,
+    RMS_EPS,
+    ROPE_DIMENSION_COUNT,
+    ROPE_FACTOR_TENSORS,
+    ROPE_FREQ_BASE,
+    ROPE_FREQ_BASE_SWA,
+    ROPE_SCALE_LINEAR,
+    ROPE_SCALING_ATTN_FACTOR,
+    ROPE_SCALING_FACTOR,
+    ROPE_SCALING_ORIG_CTX_LEN,
+    ROPE_SCALING_TYPE,
+    SLIDING_WINDOW,
+    SLIDING_WINDOW_PATTERN,
+    TOKEN_ID_KEYS,
+    VALUE_LENGTH,
+    VOCAB_SIZE,
+    YARN_KEYS,
+    GGUFMetadata,
+    read_metadata,
+)
 from arborlm.runtime.models import registry
 
 # Raised when the rules below change, so that folders converted before are converted again.
 CONVERSION_VERSION = 2
 
-# llama.cpp's metadata keys ({arch} is general.architecture).
-BLOCK_COUNT = "{arch}.block_count"
-CONTEXT_LENGTH = "{arch}.context_length"
-EMBEDDING_LENGTH = "{arch}.embedding_length"
-FEED_FORWARD_LENGTH = "{arch}.feed_forward_length"
-VOCAB_SIZE = "{arch}.vocab_size"
-HEAD_COUNT = "{arch}.attention.head_count"
-HEAD_COUNT_KV = "{arch}.attention.head_count_kv"
-KEY_LENGTH = "{arch}.attention.key_length"
-VALUE_LENGTH = "{arch}.attention.value_length"
-RMS_EPS = "{arch}.attention.layer_norm_rms_epsilon"
-SLIDING_WINDOW = "{arch}.attention.sliding_window"
-SLIDING_WINDOW_PATTERN = "{arch}.attention.sliding_window_pattern"
-FINAL_LOGIT_SOFTCAPPING = "{arch}.final_logit_softcapping"
-EXPERT_COUNT = "{arch}.expert_count"
-EXPERT_USED_COUNT = "{arch}.expert_used_count"
-EXPERT_FEED_FORWARD_LENGTH = "{arch}.expert_feed_forward_length"
-EXPERT_SHARED_COUNT = "{arch}.expert_shared_count"
-ROPE_DIMENSION_COUNT = "{arch}.rope.dimension_count"
-ROPE_FREQ_BASE = "{arch}.rope.freq_base"
-ROPE_FREQ_BASE_SWA = "{arch}.rope.freq_base_swa"
-ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"
-ROPE_SCALING_FACTOR = "{arch}.rope.scaling.factor"
-ROPE_SCALE_LINEAR = "{arch}.rope.scale_linear"  # the linear factor's key before rope.scaling.*
-ROPE_SCALING_ATTN_FACTOR = "{arch}.rope.scaling.attn_factor"
-ROPE_SCALING_ORIG_CTX_LEN = "{arch}.rope.scaling.original_context_length"
-YARN_KEYS = {  # HF yarn field -> llama.cpp key
-    "beta_fast": "{arch}.rope.scaling.yarn_beta_fast",
-    "beta_slow": "{arch}.rope.scaling.yarn_beta_slow",
-    "attention_factor": "{arch}.rope.scaling.yarn_attn_factor",
-}
-TOKEN_ID_KEYS = {  # config.json field -> llama.cpp key
-    "bos_token_id": "tokenizer.ggml.bos_token_id",
-    "eos_token_id": "tokenizer.ggml.eos_token_id",
-    "pad_token_id": "tokenizer.ggml.padding_token_id",
-}
-TOKEN_LIST = "tokenizer.ggml.tokens"
-# Phi-3's LongRoPE factors are tensors, not metadata (MODEL_TENSOR.ROPE_FACTORS_SHORT / _LONG).
-ROPE_FACTOR_TENSORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
-
 SLIDING, FULL = "sliding_attention", "full_attention"
-# llama-model.cpp's Gemma 3: every 6th layer global, local rope base 10k, unless the file says otherwise.
+# llama-model.cpp's Gemma 3 unless the file says otherwise: every 6th layer global, local base 10k.
 GEMMA3_SWA_PERIOD = 6
-GEMMA3_LOCAL_ROPE_BASE = 10_000.0
+GEMMA3_LOCAL_BASE = 10_000.0
 GEMMA3_27B_LAYERS = 62
 MIXTRAL = "MixtralForCausalLM"
-
-
-@dataclass(frozen=True)
-class GGUFMetadata:
-    """What a GGUF file says about its model, its tokenizer's vocabulary and weights aside.
-
-    Attributes
-    ----------
-    path: the file, for error messages.
-    arch: `general.architecture` (llama.cpp's family name), which fills `{arch}` in keys.
-    fields: metadata key -> value (int, float, bool, str or a list of them); the
-        tokenizer's per-token arrays are left out.
-    tensor_shapes: tensor name -> shape in torch order (rows first).
-    rope_factors: "short_factor" / "long_factor" -> the values of Phi-3's LongRoPE
-        factor tensors present in the file.
-    num_tokens: the length of `tokenizer.ggml.tokens`, or None without one.
-    """
-
-    path: str
-    arch: str
-    fields: dict = field(repr=False)
-    tensor_shapes: dict = field(repr=False)
-    rope_factors: dict = field(repr=False)
-    num_tokens: int | None = None
-
-    def get(self, key: str, default=None):
-        """The value of `key` ("{arch}." filled in), or `default` when the file lacks it."""
-        return self.fields.get(key.format(arch=self.arch), default)
-
-    def require(self, key: str):
-        """The value of `key`; a ModelLoadError naming it when the file lacks it."""
-        value = self.get(key)
-        if value is None:
-            raise self.error(f"it has no {key.format(arch=self.arch)}")
-        return value
-
-    def error(self, message: str) -> ModelLoadError:
-        """The error for a setting of this file that cannot be served."""
-        return ModelLoadError(f"cannot serve GGUF file {self.path!r}: {message}")
 
 
 @dataclass(frozen=True)
@@ -133,67 +84,8 @@ class GGUFSettings:
     config: dict
 
 
-def read_metadata(gguf_file: Path) -> GGUFMetadata:
-    """The metadata, tensor shapes and LongRoPE factors of a GGUF file (`gguf.GGUFReader`).
-
-    The reader maps the file; no weight is read but the LongRoPE factors.
-
-    Raises
-    ------
-    ModelLoadError
-        For a file the reader cannot parse.
-    """
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(str(gguf_file))
-        fields = {name: _field_value(f) for name, f in reader.fields.items() if not _is_token_array(name)}
-        arch = fields["general.architecture"]
-    except Exception as exc:
-        raise ModelLoadError(f"cannot read the metadata of GGUF file {str(gguf_file)!r}: {exc!r}") from exc
-    tokens = reader.fields.get(TOKEN_LIST)
-    return GGUFMetadata(
-        path=str(gguf_file),
-        arch=arch,
-        fields=fields,
-        tensor_shapes={t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors},
-        rope_factors=_rope_factors(reader),
-        num_tokens=None if tokens is None else len(tokens.data),
-    )
-
-
-def _is_token_array(name: str) -> bool:
-    """Per-token arrays (tokens, scores, types, merges): large, and the tokenizer's business."""
-    return name.startswith("tokenizer.ggml.") and name.rsplit(".", 1)[1] in ("tokens", "scores", "token_type", "merges")
-
-
-def _field_value(reader_field):
-    """A `ReaderField`'s value: a scalar or string, or a list of them for an array."""
-    from gguf import GGUFValueType
-
-    parts = [reader_field.parts[i] for i in reader_field.data]
-    if reader_field.types[-1] == GGUFValueType.STRING:
-        values = [bytes(part).decode("utf-8") for part in parts]
-    else:
-        values = [part.tolist()[0] for part in parts]
-    return values if reader_field.types[0] == GGUFValueType.ARRAY else values[0]
-
-
-def _rope_factors(reader) -> dict[str, list[float]]:
-    """The LongRoPE factor tensors of the file, as float lists (llama.cpp writes them float32)."""
-    import numpy as np
-    from gguf import dequantize
-
-    by_name = {t.name: t for t in reader.tensors}
-    return {
-        key: np.asarray(dequantize(by_name[name].data, by_name[name].tensor_type), dtype=np.float32).ravel().tolist()
-        for key, name in ROPE_FACTOR_TENSORS.items()
-        if name in by_name
-    }
-
-
 def read_settings(gguf_file: Path) -> GGUFSettings:
-    """How to serve `gguf_file`: its architecture and the config fields transformers' reader drops.
+    """How to serve `gguf_file`: its architecture, the config fields transformers' reader drops.
 
     A `llama` file with experts (`llama.expert_count` > 0) is Mixtral, as llama.cpp's
     converter writes it.
@@ -211,7 +103,7 @@ def read_settings(gguf_file: Path) -> GGUFSettings:
 
 
 def patch_config(checkpoint: Path, settings: GGUFSettings) -> None:
-    """Write `settings.config` into `checkpoint/config.json` (nested dicts merged, others replaced)."""
+    """Write `settings.config` into `checkpoint/config.json` (nested dicts merged, others set)."""
     path = checkpoint / "config.json"
     config = _merged(json.loads(path.read_text()), settings.config)
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -264,7 +156,7 @@ def _rope_scaling(meta: GGUFMetadata) -> dict:
         return {"rope_type": "linear", "factor": float(factor)}
     if kind == "yarn":
         return _yarn(meta, factor)
-    raise meta.error(f"{ROPE_SCALING_TYPE.format(arch=meta.arch)} = {kind!r} is not a scaling of this family")
+    raise meta.error(f"{meta.key(ROPE_SCALING_TYPE)} = {kind!r} is not a scaling of this family")
 
 
 def _yarn(meta: GGUFMetadata, factor) -> dict:
@@ -289,7 +181,7 @@ def _rope(meta: GGUFMetadata) -> dict:
 
 
 def _rope_fields(meta: GGUFMetadata) -> dict:
-    """rope_parameters when the file scales its rope (transformers' reader never reads scaling)."""
+    """rope_parameters where the file scales its rope (transformers' reader reads no scaling)."""
     return {"rope_parameters": _rope(meta)} if _rope_scaling(meta) else {}
 
 
@@ -299,12 +191,15 @@ def _head_dim(meta: GGUFMetadata) -> dict:
     if key is None:
         return {}
     if value is not None and value != key:
-        raise meta.error(f"attention.key_length {key} != attention.value_length {value}: config.json has one head_dim")
+        raise meta.error(
+            f"attention.key_length {key} != attention.value_length {value}: config.json has one head_dim"
+        )
     return {"head_dim": int(key)}
 
 
 def _token_ids(meta: GGUFMetadata) -> dict:
-    return {name: int(meta.get(key)) for name, key in TOKEN_ID_KEYS.items() if meta.get(key) is not None}
+    ids = {name: meta.get(key) for name, key in TOKEN_ID_KEYS.items()}
+    return {name: int(value) for name, value in ids.items() if value is not None}
 
 
 # ---------------------------------------------------------------- families
@@ -316,14 +211,14 @@ def _qwen3_fields(meta: GGUFMetadata) -> dict:
 
 
 def _qwen3_moe_fields(meta: GGUFMetadata) -> dict:
-    """Qwen3-MoE: Qwen3's fields, the expert counts and width; every layer sparse, top-k renormalised.
+    """Qwen3-MoE: Qwen3's fields, expert counts and width; all layers sparse, top-k renormalised.
 
     llama.cpp's qwen3moe graph (`src/models/qwen3moe.cpp`) builds each layer from the
     `*_exps` tensors and always renormalises the chosen weights, whatever the original
     `norm_topk_prob` was; the file records neither.
     """
     if meta.get(EXPERT_SHARED_COUNT):
-        raise meta.error(f"{EXPERT_SHARED_COUNT.format(arch=meta.arch)} > 0: Qwen3-MoE has no shared experts")
+        raise meta.error(f"{meta.key(EXPERT_SHARED_COUNT)} > 0: Qwen3-MoE has no shared experts")
     return {
         **_qwen3_fields(meta),
         "num_experts": int(meta.require(EXPERT_COUNT)),
@@ -336,13 +231,13 @@ def _qwen3_moe_fields(meta: GGUFMetadata) -> dict:
 
 
 def _expert_width(meta: GGUFMetadata) -> int:
-    """`expert_feed_forward_length`, else the width of the first layer's down experts (E, hidden, width)."""
+    """`expert_feed_forward_length`, else the width of layer 0's down experts (E, hidden, width)."""
     width = meta.get(EXPERT_FEED_FORWARD_LENGTH)
     if width is not None:
         return int(width)
     shape = meta.tensor_shapes.get("blk.0.ffn_down_exps.weight")
     if shape is None:
-        raise meta.error(f"it has neither {EXPERT_FEED_FORWARD_LENGTH.format(arch=meta.arch)} nor blk.0.ffn_down_exps")
+        raise meta.error(f"it has neither {meta.key(EXPERT_FEED_FORWARD_LENGTH)} nor blk.0.ffn_down_exps")
     return shape[-1]
 
 
@@ -350,6 +245,7 @@ def _gemma3_fields(meta: GGUFMetadata) -> dict:
     """Gemma 3: head_dim, the attention scale, window and layer pattern, both rope kinds, soft-cap."""
     head = _head_dim(meta)
     window = int(meta.get(SLIDING_WINDOW, 0) or 0)
+    local_base = float(meta.get(ROPE_FREQ_BASE_SWA, GEMMA3_LOCAL_BASE))
     fields = {
         **head,
         "query_pre_attn_scalar": _gemma3_query_scalar(meta, head.get("head_dim")),
@@ -358,7 +254,7 @@ def _gemma3_fields(meta: GGUFMetadata) -> dict:
         "rope_parameters": {
             FULL: _rope(meta),
             # llama.cpp's Gemma 3 never scales the local layers' rope.
-            SLIDING: {"rope_type": "default", "rope_theta": float(meta.get(ROPE_FREQ_BASE_SWA, GEMMA3_LOCAL_ROPE_BASE))},
+            SLIDING: {"rope_type": "default", "rope_theta": local_base},
         },
     }
     if meta.get(FINAL_LOGIT_SOFTCAPPING):
@@ -390,10 +286,10 @@ def _gemma3_layer_types(meta: GGUFMetadata, window: int) -> list[str]:
     pattern = meta.get(SLIDING_WINDOW_PATTERN, GEMMA3_SWA_PERIOD)
     if isinstance(pattern, list):
         if len(pattern) != num_layers:
-            raise meta.error(f"attention.sliding_window_pattern has {len(pattern)} flags for {num_layers} layers")
+            raise meta.error(f"{meta.key(SLIDING_WINDOW_PATTERN)}: {len(pattern)} flags, {num_layers} layers")
         return [SLIDING if flag else FULL for flag in pattern]
     if int(pattern) < 1:
-        raise meta.error(f"attention.sliding_window_pattern = {pattern} is not a period of layers")
+        raise meta.error(f"{meta.key(SLIDING_WINDOW_PATTERN)} = {pattern} is not a period of layers")
     return [SLIDING if (i + 1) % int(pattern) else FULL for i in range(num_layers)]
 
 
@@ -407,10 +303,11 @@ def _phi3_fields(meta: GGUFMetadata) -> dict:
     rotary_dim = int(meta.get(ROPE_DIMENSION_COUNT, head_dim))
     partial = rotary_dim / head_dim
     if int(head_dim * partial) != rotary_dim:
-        raise meta.error(f"rope.dimension_count {rotary_dim} is no partial_rotary_factor of head_dim {head_dim}")
+        raise meta.error(f"{meta.key(ROPE_DIMENSION_COUNT)} = {rotary_dim} is no part of head_dim {head_dim}")
     original = meta.get(ROPE_SCALING_ORIG_CTX_LEN)
     # Phi-3's only scaling is LongRoPE, told by its factor tensors (no rope.scaling.type).
-    rope = {"rope_type": "default", "partial_rotary_factor": partial, **_longrope(meta, rotary_dim, original)}
+    rope = {"rope_type": "default", "partial_rotary_factor": partial}
+    rope.update(_longrope(meta, rotary_dim, original))
     if meta.get(ROPE_FREQ_BASE) is not None:
         rope["rope_theta"] = float(meta.get(ROPE_FREQ_BASE))
     fields = {"rope_parameters": rope, "sliding_window": int(meta.get(SLIDING_WINDOW, 0) or 0) or None}
@@ -436,12 +333,15 @@ def _longrope(meta: GGUFMetadata, rotary_dim: int, original: int | None) -> dict
     if not factors:
         return {}
     if set(factors) != set(ROPE_FACTOR_TENSORS):
-        raise meta.error(f"it has only {sorted(ROPE_FACTOR_TENSORS[k] for k in factors)} of the LongRoPE factors")
+        raise meta.error(f"of the LongRoPE factors it has only {[ROPE_FACTOR_TENSORS[k] for k in factors]}")
     for key, values in factors.items():
         if len(values) != rotary_dim // 2:
-            raise meta.error(f"{ROPE_FACTOR_TENSORS[key]} has {len(values)} factors, rotary dim {rotary_dim} needs {rotary_dim // 2}")
+            raise meta.error(
+                f"{ROPE_FACTOR_TENSORS[key]} has {len(values)} factors; rotary dim {rotary_dim} "
+                f"needs {rotary_dim // 2}"
+            )
     if original is None:
-        raise meta.error(f"LongRoPE factors without {ROPE_SCALING_ORIG_CTX_LEN.format(arch=meta.arch)}")
+        raise meta.error(f"LongRoPE factors without {meta.key(ROPE_SCALING_ORIG_CTX_LEN)}")
     rope = {"rope_type": "longrope", **factors, "original_max_position_embeddings": int(original)}
     attn_factor = meta.get(ROPE_SCALING_ATTN_FACTOR)
     scale = int(meta.require(CONTEXT_LENGTH)) / int(original)
@@ -458,9 +358,13 @@ def _mixtral_config(meta: GGUFMetadata) -> dict:
     `expert_used_count`; `feed_forward_length` is the experts' width; rope on whole heads.
     """
     hidden, heads = int(meta.require(EMBEDDING_LENGTH)), int(meta.require(HEAD_COUNT))
-    head_dim = int(meta.get(KEY_LENGTH) or meta.get(ROPE_DIMENSION_COUNT) or hidden // heads)
+    # llama.cpp's n_embd_head_k; rope.dimension_count (n_rot) defaults to it.
+    head_dim = int(meta.get(KEY_LENGTH) or hidden // heads)
     if int(meta.get(ROPE_DIMENSION_COUNT, head_dim)) != head_dim:
-        raise meta.error(f"rope.dimension_count {meta.get(ROPE_DIMENSION_COUNT)} != head_dim {head_dim}: Mixtral rotates whole heads")
+        raise meta.error(
+            f"{meta.key(ROPE_DIMENSION_COUNT)} = {meta.get(ROPE_DIMENSION_COUNT)} != head_dim {head_dim}: "
+            "Mixtral rotates whole heads"
+        )
     return {
         "architectures": [MIXTRAL],
         "model_type": "mixtral",
@@ -492,6 +396,8 @@ def _vocab_size(meta: GGUFMetadata) -> int:
         return int(meta.get(VOCAB_SIZE))
     if meta.num_tokens is not None:
         return meta.num_tokens
+    if "token_embd.weight" not in meta.tensor_shapes:
+        raise meta.error(f"it has no {meta.key(VOCAB_SIZE)}, token list nor token_embd.weight")
     return meta.tensor_shapes["token_embd.weight"][0]
 
 

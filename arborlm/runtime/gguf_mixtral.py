@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +36,8 @@ _NAMES = {
     "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "blk.{i}.ffn_gate_inp.weight": "model.layers.{i}.block_sparse_moe.gate.weight",
 }
+# q / k rows llama.cpp permutes, and the config field with their head count.
+_PERMUTED_HEADS = {"blk.{i}.attn_q.weight": "num_attention_heads", "blk.{i}.attn_k.weight": "num_key_value_heads"}
 _EXPERT_PROJ = {"gate": "w1", "up": "w3", "down": "w2"}  # llama.cpp ffn_{proj} -> Mixtral's w*
 _STACKED = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)_exps\.weight")
 _PER_EXPERT = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)\.(?P<expert>\d+)\.weight")
@@ -77,7 +78,7 @@ def _save_tokenizer(gguf_file: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def hf_weights(tensor, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+def hf_weights(tensor, config: dict) -> list[tuple[str, torch.Tensor]]:
     """The Hugging Face (name, float32 tensor) pairs of one GGUF tensor of a Mixtral file.
 
     Parameters
@@ -90,29 +91,34 @@ def hf_weights(tensor, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
     ModelLoadError
         For a tensor name that is no Mixtral weight (e.g. Llama 3's `rope_freqs`).
     """
+    for pattern in (_STACKED, _PER_EXPERT):
+        match = pattern.fullmatch(tensor.name)
+        if match:
+            return _expert_weights(tensor, match)
+    return [_named_weight(tensor, config)]
+
+
+def _expert_weights(tensor, match: re.Match) -> list[tuple[str, torch.Tensor]]:
+    """Per-expert w1 / w3 / w2 weights of a stacked (E, out, in) or a single-expert tensor."""
+    prefix = f"model.layers.{match['layer']}.block_sparse_moe.experts"
+    proj = _EXPERT_PROJ[match["proj"]]
+    weight = _dequantized(tensor)
+    if "expert" in match.groupdict():
+        return [(f"{prefix}.{match['expert']}.{proj}.weight", weight)]
+    # A copy each: safetensors refuses to save views that share one storage.
+    return [(f"{prefix}.{e}.{proj}.weight", expert.clone()) for e, expert in enumerate(weight)]
+
+
+def _named_weight(tensor, config: dict) -> tuple[str, torch.Tensor]:
+    """A weight of `_NAMES`, q and k with llama.cpp's row permutation undone."""
     layer = _LAYER.match(tensor.name)
-    i = layer["layer"] if layer else None
-    experts = _STACKED.fullmatch(tensor.name)
-    if experts:
-        proj = _EXPERT_PROJ[experts["proj"]]
-        for e, weight in enumerate(_dequantized(tensor)):  # (E, out, in)
-            # A copy each: safetensors refuses to save views that share one storage.
-            yield f"model.layers.{i}.block_sparse_moe.experts.{e}.{proj}.weight", weight.clone()
-        return
-    single = _PER_EXPERT.fullmatch(tensor.name)
-    if single:
-        proj = _EXPERT_PROJ[single["proj"]]
-        yield f"model.layers.{i}.block_sparse_moe.experts.{single['expert']}.{proj}.weight", _dequantized(tensor)
-        return
-    generic = tensor.name if i is None else tensor.name.replace(f"blk.{i}.", "blk.{i}.", 1)
+    generic = tensor.name if layer is None else "blk.{i}." + tensor.name[layer.end():]
     if generic not in _NAMES:
         raise ModelLoadError(f"GGUF tensor {tensor.name!r} is not a weight of a Mixtral model")
     weight = _dequantized(tensor)
-    if generic == "blk.{i}.attn_q.weight":
-        weight = unpermute_rotary_rows(weight, config["num_attention_heads"])
-    elif generic == "blk.{i}.attn_k.weight":
-        weight = unpermute_rotary_rows(weight, config["num_key_value_heads"])
-    yield _NAMES[generic].format(i=i), weight
+    if generic in _PERMUTED_HEADS:
+        weight = unpermute_rotary_rows(weight, config[_PERMUTED_HEADS[generic]])
+    return _NAMES[generic].format(i=layer and layer["layer"]), weight
 
 
 def _dequantized(tensor) -> torch.Tensor:
@@ -136,8 +142,8 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     weight: (num_heads * head_dim, hidden) q or k projection, as the file stores it.
     num_heads: query heads for q, key/value heads for k.
     """
-    rows = weight.shape[0]
-    return weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
 def _shard_key(gguf_name: str) -> str:
