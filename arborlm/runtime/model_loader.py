@@ -346,7 +346,9 @@ def load_model(
     model_class = registry.model_class(architecture)
     if device.type == "cpu":
         set_cpu_threads()
-    hf_config = AutoConfig.from_pretrained(str(checkpoint))
+    # A multimodal checkpoint (registry.TEXT_ONLY_MODELS) is served by its language model;
+    # a text model's config is its own text config.
+    hf_config = AutoConfig.from_pretrained(str(checkpoint)).get_text_config()
     ops = layer_ops(device, native=cpu_kernels)
     attn_backend = create_attention_backend(attention_backend, device, ops if ops.native else None)
     model = model_class(hf_config, dtype, device, attn_backend, ops)

@@ -49,8 +49,17 @@ MODELS: tuple[ModelEntry, ...] = (
     ModelEntry("Gemma3ForCausalLM", "gemma3_text", "gemma3", "arborlm.runtime.models.gemma3:Gemma3ForCausalLM"),
     ModelEntry("Phi3ForCausalLM", "phi3", "phi3", "arborlm.runtime.models.phi3:Phi3ForCausalLM"),
 )
+# Multimodal checkpoints whose language model is served, text only: the model loader builds
+# the class from config.json's `text_config` (`get_text_config()`), the class skips the rest.
+TEXT_ONLY_MODELS: tuple[ModelEntry, ...] = (
+    ModelEntry(
+        "Gemma3ForConditionalGeneration", "gemma3", None,
+        "arborlm.runtime.models.gemma3_mm:Gemma3TextOnlyForCausalLM",
+    ),
+)
+_ALL_MODELS = MODELS + TEXT_ONLY_MODELS
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(e.architecture for e in MODELS)
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(e.architecture for e in _ALL_MODELS)
 SUPPORTED_GGUF_ARCHS: tuple[str, ...] = tuple(e.gguf_arch for e in MODELS if e.gguf_arch is not None)
 # GGUF architectures whose files with experts (`{arch}.expert_count` > 0) are another family:
 # llama.cpp's convert_hf_to_gguf.py writes MixtralForCausalLM with its LlamaModel.
@@ -71,7 +80,7 @@ def entry(architecture: str) -> ModelEntry:
     ModelLoadError
         For a name not in `SUPPORTED_ARCHITECTURES`, naming it and the supported ones.
     """
-    for e in MODELS:
+    for e in _ALL_MODELS:
         if e.architecture == architecture:
             return e
     raise _unsupported(architecture, SUPPORTED_ARCHITECTURES)
@@ -95,7 +104,7 @@ def architecture_from_config(config: dict, source: str) -> str:
     """
     names = list(config.get("architectures") or [])
     if not names:
-        names = [e.architecture for e in MODELS if e.model_type == config.get("model_type")]
+        names = [e.architecture for e in _ALL_MODELS if e.model_type == config.get("model_type")]
     for name in names:
         if name in SUPPORTED_ARCHITECTURES:
             return name
