@@ -159,6 +159,10 @@ class SamplingParams:
     ebnf: str | None = None
     structural_tag: str | dict | None = None
     json_schema_lenient: bool = False
+    # The output opens with free reasoning: {"begin": "<think>" ("" when the prompt opened it),
+    # "end": "</think>", "separator": "\n\n"}; the grammar constraint applies after it
+    # (`runtime/reasoning_grammar.py`). No effect without a constraint.
+    reasoning: dict[str, str] | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -311,6 +315,7 @@ class SamplingParams:
         for name in ("json_schema", "structural_tag"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), (str, dict, bool)):
                 raise self._bad_type(name, "a JSON object or its text")
+        self._verify_reasoning()
         given = [n for n in ("json_schema", "regex", "ebnf", "structural_tag") if getattr(self, n) is not None]
         if len(given) > 1:
             raise InvalidRequestError(f"give at most one grammar constraint, got {given}", given[1])
@@ -321,6 +326,18 @@ class SamplingParams:
                 'the object as response_format={"type": "json_schema", "json_schema": ...}',
                 "json_schema",
             )
+
+
+    def _verify_reasoning(self) -> None:
+        """`reasoning`: an object of strings `begin`, `end` (not empty) and `separator`."""
+        value = self.reasoning
+        if value is None:
+            return
+        ok = (isinstance(value, dict) and set(value) <= {"begin", "end", "separator"}
+              and all(isinstance(v, str) and len(v) <= MAX_STOP_LEN for v in value.values()) and value.get("end"))
+        if not ok:
+            raise self._bad_type("reasoning", 'an object {"begin": str, "end": non-empty str, "separator": str} '
+                                              f"of at most {MAX_STOP_LEN} characters each")
 
 
 def _is_logit_bias(value: Any) -> bool:

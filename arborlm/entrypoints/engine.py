@@ -63,7 +63,7 @@ class Engine:
             self._stop_loop()
             raise
         self.model_info = self._scheduler.model_info
-        self.tokenizer = load_tokenizer(self.model_info)
+        self.tokenizer = load_tokenizer(self.model_info, self.server_args.chat.chat_template)
         self.tokenizer_manager = self._call(self._make_manager())
         self._scheduler.watch(self._on_scheduler_exit)
         atexit.register(self.shutdown)

@@ -121,7 +121,7 @@ def launch_server(server_args: ServerArgs) -> None:
 def _serve(server_args: ServerArgs, scheduler: SchedulerProcess, sock: socket.socket, host: str, port: int) -> None:
     info = scheduler.model_info
     name = served_model_name(server_args)
-    state = ServerState(server_args=server_args, model_info=info, tokenizer=load_tokenizer(info),
+    state = ServerState(server_args=server_args, model_info=info, tokenizer=load_tokenizer(info, server_args.chat.chat_template),
                         scheduler=scheduler, metrics=ServerMetrics(name))
     config = uvicorn.Config(create_app(state), log_level=server_args.server.log_level, access_log=False,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_TIMEOUT_S, log_config=None)

@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from arborlm.chat_template import BUILTIN_CHAT_TEMPLATES, is_template_file
 from arborlm.constrained.registry import GRAMMAR_BACKEND_NAMES
 from arborlm.runtime.layers.attention.names import ATTENTION_BACKEND_NAMES
 
@@ -216,6 +217,51 @@ class GrammarConfig:
         _check(self.grammar_compile_timeout > 0, "grammar_compile_timeout", self.grammar_compile_timeout, "> 0")
 
 
+# SGLang's --tool-call-parser and --reasoning-parser names (one list each: the formats in
+# entrypoints/openai/tool_parsers/registry.py and reasoning_parser.py are keyed by these).
+TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "mistral", "pythonic")
+REASONING_PARSERS = ("qwen3", "deepseek-r1")
+
+
+@dataclass(frozen=True)
+class ChatConfig:
+    """How `/v1/chat/completions` renders prompts and reads answers (see docs/tool_calls.md)."""
+
+    chat_template: str | None = field(
+        default=None,
+        metadata={"help": "a Jinja chat template file, or a built-in name ("
+                          + " | ".join(BUILTIN_CHAT_TEMPLATES) + "), used instead of the tokenizer's; "
+                          "default the tokenizer's own"},
+    )
+    tool_call_parser: str | None = field(
+        default=None,
+        metadata={"help": "tool-call format: " + " | ".join(TOOL_CALL_PARSERS)
+                          + "; default the one the chat template renders (hermes when none)"},
+    )
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata={"help": "split the model's thinking into reasoning_content: " + " | ".join(REASONING_PARSERS)
+                          + "; default off"},
+    )
+
+    def __post_init__(self):
+        _check_types(self)
+        _check(
+            self.chat_template is None or self.chat_template in BUILTIN_CHAT_TEMPLATES
+            or is_template_file(self.chat_template),
+            "chat_template", self.chat_template,
+            f"a readable Jinja file or one of {BUILTIN_CHAT_TEMPLATES}",
+        )
+        _check(
+            self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
+            "tool_call_parser", self.tool_call_parser, f"None or one of {TOOL_CALL_PARSERS}",
+        )
+        _check(
+            self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
+            "reasoning_parser", self.reasoning_parser, f"None or one of {REASONING_PARSERS}",
+        )
+
+
 # A Host pattern: "*", a name or IPv4 address, "*.suffix", or a bracketed IPv6 address.
 _HOST_PATTERN = re.compile(r"\*|(\*\.)?[a-z0-9_-]+(\.[a-z0-9_-]+)*|\[[0-9a-f:.]+\]")
 
@@ -324,6 +370,7 @@ class ServerArgs:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    chat: ChatConfig = field(default_factory=ChatConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 
+from arborlm.chat_template import apply_chat_template_override
 from arborlm.errors import EngineDeadError, ModelLoadError
 from arborlm.runtime.config import ServerArgs
 from arborlm.runtime.io_struct import ModelInfo
@@ -176,11 +177,12 @@ def _wait_ready(process: BaseProcess, reader, timeout_s: float) -> ModelInfo:
     raise EngineDeadError(f"the scheduler failed to start: {error}\n{msg['traceback']}")
 
 
-def load_tokenizer(model_info: ModelInfo):
-    """The Hugging Face tokenizer of the checkpoint the scheduler loaded."""
+def load_tokenizer(model_info: ModelInfo, chat_template: str | None = None):
+    """The Hugging Face tokenizer of the checkpoint the scheduler loaded, its chat template
+    replaced by `chat_template` (a Jinja file or a built-in name, `--chat-template`) when given."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_info.checkpoint)
+    return apply_chat_template_override(AutoTokenizer.from_pretrained(model_info.checkpoint), chat_template)
 
 
 async def close_front(manager) -> None:

@@ -42,6 +42,7 @@ from arborlm.runtime.io_struct import (
     TokenizedGenerateReqInput,
     finish_reason_to_matched_stop,
 )
+from arborlm.runtime.reasoning_grammar import AfterReasoning, after_reasoning
 from arborlm.sampling_params import INT64_MAX, MAX_TOP_LOGPROBS, SamplingParams, shown
 
 logger = logging.getLogger(__name__)
@@ -150,7 +151,8 @@ class TokenizerManager:
         if rid in self.rid_to_state:
             raise InvalidRequestError(f"request id {rid!r} is already in flight", param="rid")
         self._check_cache_salt(obj.cache_salt)
-        grammar = grammar_spec_from_params(params, self.server_args.grammar.grammar_backend)
+        backend = self.server_args.grammar.grammar_backend
+        grammar = after_reasoning(grammar_spec_from_params(params, backend), params.reasoning, backend)
         return TokenizedGenerateReqInput(
             rid=rid,
             input_ids=input_ids,
@@ -364,7 +366,8 @@ class TokenizerManager:
         text, but it is not part of the value). An output cut by the user's
         stop string or stop token id is, like a ``length`` finish, a prefix of
         a valid one: it keeps its ``stop`` finish with the stop in
-        ``matched_stop``, and is not validated.
+        ``matched_stop``, and is not validated. After reasoning
+        (`AfterReasoning`), only the answer that follows the reasoning is.
         """
         reason = out.finish_reason
         if reason is None or reason.get("type") != "stop" or not self._ended_by_grammar(state, reason.get("matched")):
@@ -374,9 +377,10 @@ class TokenizerManager:
             return
         self.stats["num_grammar_violations"] += 1
         logger.warning("request %s: constrained output failed validation: %s", state.rid, problem)
+        param = state.grammar.param if isinstance(state.grammar, AfterReasoning) else state.grammar.key.param
         out.finish_reason = {
             "type": "abort",
-            "message": f"the output does not satisfy the requested {state.grammar.key.param}: {problem}",
+            "message": f"the output does not satisfy the requested {param}: {problem}",
         }
 
     def _ended_by_grammar(self, state: ReqState, matched: Any) -> bool:

@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from arborlm.entrypoints.openai.tool_parser import CALL_END, call_begin
+from arborlm.entrypoints.openai.tool_parsers.hermes import CALL_END, call_begin
 from tests.server.conftest import API_KEY
 
 WEATHER_SCHEMA = {

@@ -1,4 +1,5 @@
-"""`ToolCallParser`: the call format split into content and calls, whole or fed in pieces; no server."""
+"""The Hermes `ToolCallParser`: the call format split into content and calls, whole or fed in pieces;
+no server. (The other formats: test_tool_formats.py.)"""
 
 from __future__ import annotations
 
@@ -9,15 +10,21 @@ import pytest
 
 from arborlm.entrypoints.openai.protocol import ChatCompletionRequest
 from arborlm.entrypoints.openai.tool_calls import delta_of, plan_tools, tool_message
-from arborlm.entrypoints.openai.tool_parser import (
+from arborlm.entrypoints.openai.tool_parsers.base import (
     ArgumentsDelta,
     CallStart,
     TextDelta,
     ToolCallParser,
-    call_begin,
-    parse_tool_calls,
+    parse_whole,
 )
+from arborlm.entrypoints.openai.tool_parsers.hermes import HermesFormat, call_begin
 from arborlm.entrypoints.openai.tool_prompt import content_with_calls, with_tools_described
+
+HERMES = HermesFormat()
+
+
+def parse_tool_calls(text: str) -> ToolCallParser:
+    return parse_whole(HERMES, text, [])
 
 
 def block(name: str, arguments: str) -> str:
@@ -71,7 +78,7 @@ def test_whole_output(text, content, calls):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_fed_in_pieces_gives_the_same_events_joined(text, content, calls, seed):
     rng = random.Random(seed)
-    parser = ToolCallParser()
+    parser = HERMES.new_parser([])
     events = []
     i = 0
     while i < len(text):
@@ -90,16 +97,16 @@ def test_fed_in_pieces_gives_the_same_events_joined(text, content, calls, seed):
 
 def test_history_blocks_parse_back():
     calls = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}}]
-    parser = parse_tool_calls(content_with_calls("", calls))
+    parser = parse_tool_calls(content_with_calls("", calls, HERMES))
     assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [("get_weather", {"city": "Paris", "days": 3})]
 
 
 def test_tools_go_to_the_system_message():
     tools = [{"type": "function", "function": {"name": "f"}}]
-    added = with_tools_described([{"role": "user", "content": "hi"}], tools)
+    added = with_tools_described([{"role": "user", "content": "hi"}], tools, HERMES)
     assert added[0]["role"] == "system" and '{"type": "function", "function": {"name": "f"}}' in added[0]["content"]
     joined = with_tools_described([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
-                                  tools)
+                                  tools, HERMES)
     assert joined[0]["content"].startswith("Be brief.\n\n# Tools") and len(joined) == 2
 
 

@@ -5,15 +5,19 @@ as one string, `tool_calls`, `tool_call_id`, `name`); `developer` is rendered as
 `system`. Only text content parts are served. `continue_final_message` renders
 the final assistant message open (no end-of-turn) so the model continues it.
 Offered tools and the tool-call history are written as `tool_prompt.py` says:
-through the template when it supports tools, else into the messages.
+through the template when it renders the server's call format, else into the
+messages. The template is the tokenizer's, or `--chat-template`'s, which the
+server puts on the tokenizer when it loads it (`chat_template.py`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from arborlm.entrypoints.http_errors import bad_request
 from arborlm.entrypoints.openai.protocol import ChatMessage
+from arborlm.entrypoints.openai.tool_parsers.base import ToolCallFormat
+from arborlm.entrypoints.openai.tool_parsers.hermes import HermesFormat
 from arborlm.entrypoints.openai.tool_prompt import (
     content_with_calls,
     history_tool_calls,
@@ -25,11 +29,13 @@ from arborlm.entrypoints.openai.tool_prompt import (
 TEXT_PART_SEPARATOR = "\n"
 
 
-def message_dict(message: ChatMessage, index: int, native_tools: bool = False) -> dict[str, Any]:
+def message_dict(message: ChatMessage, index: int, native_tools: bool = False,
+                 fmt: ToolCallFormat | None = None) -> dict[str, Any]:
     """One message as a chat-template dict.
 
     `native_tools`: the template renders tool calls itself; otherwise calls and
-    tool results are written into the content (`tool_prompt.py`).
+    tool results are written into the content (`tool_prompt.py`), in the call
+    format `fmt` (Hermes when None).
 
     Raises
     ------
@@ -47,7 +53,7 @@ def message_dict(message: ChatMessage, index: int, native_tools: bool = False) -
         if native_tools:
             out["tool_calls"] = calls
         else:
-            out["content"] = content_with_calls(out["content"], calls)
+            out["content"] = content_with_calls(out["content"], calls, fmt or HermesFormat())
     if role == "tool" and not native_tools:
         out["content"] = tool_response(out["content"])
     if message.tool_call_id is not None:
@@ -84,12 +90,20 @@ RENDER_ARGUMENTS = frozenset({
 })
 
 
+class RenderedChat(NamedTuple):
+    """A rendered prompt: its text (the reasoning parser reads how it ends) and its token ids."""
+
+    text: str
+    input_ids: list[int]
+
+
 def render_chat(tokenizer, messages: list[ChatMessage], continue_final_message: bool = False,
                 template_kwargs: dict[str, Any] | None = None,
-                tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """The prompt's token ids for `messages` under the tokenizer's chat template.
+                tools: list[dict[str, Any]] | None = None, fmt: ToolCallFormat | None = None) -> RenderedChat:
+    """The prompt for `messages` under the tokenizer's chat template.
 
-    `tools`: OpenAI `tools` entries offered to the model (None: none offered).
+    `tools`: OpenAI `tools` entries offered to the model (None: none offered);
+    `fmt`: the server's tool-call format (Hermes when None).
 
     Raises
     ------
@@ -98,10 +112,13 @@ def render_chat(tokenizer, messages: list[ChatMessage], continue_final_message: 
         sets an argument the server sets itself (`RENDER_ARGUMENTS`), or when the
         template refuses the messages (e.g. roles that must alternate).
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise bad_request("this model has no chat template; use /v1/completions", param="messages")
-    native_tools = renders_tools(tokenizer)
-    dicts = [message_dict(m, i, native_tools) for i, m in enumerate(messages)]
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise bad_request("this model has no chat template; use /v1/completions or start the server with "
+                          "--chat-template", param="messages")
+    fmt = fmt or HermesFormat()
+    native_tools = renders_tools(template, fmt)
+    dicts = [message_dict(m, i, native_tools, fmt) for i, m in enumerate(messages)]
     if continue_final_message and dicts[-1]["role"] != "assistant":
         raise bad_request("continue_final_message needs a final assistant message to continue",
                           param="continue_final_message")
@@ -116,7 +133,7 @@ def render_chat(tokenizer, messages: list[ChatMessage], continue_final_message: 
     if tools and native_tools:
         kwargs["tools"] = tools
     elif tools:
-        dicts = with_tools_described(dicts, tools)
+        dicts = with_tools_described(dicts, tools, fmt)
     try:
         text = tokenizer.apply_chat_template(
             dicts, tokenize=False, add_generation_prompt=not continue_final_message,
@@ -124,4 +141,4 @@ def render_chat(tokenizer, messages: list[ChatMessage], continue_final_message: 
         )
     except Exception as e:  # noqa: BLE001 - jinja raises TemplateError, ValueError, TypeError ...
         raise bad_request(f"the chat template cannot render these messages: {e}", param="messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
+    return RenderedChat(text, tokenizer.encode(text, add_special_tokens=False))

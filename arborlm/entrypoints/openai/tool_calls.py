@@ -7,15 +7,17 @@ would be, so a broken one is a 400 naming `tools[i].function.parameters`) and
 resolves `tool_choice`:
 
 - ``none`` (or no tools): no tools are offered, the output is plain text;
-- ``auto`` (the default with tools): free text, and wherever the model writes
-  `<tool_call>` the rest of the call is forced to a valid call (xgrammar's
-  ``triggered_tags`` structural tag);
-- ``required``: only calls, at least one (``tags_with_separator``);
-- a named function: exactly one call of it (one ``tag``).
+- ``auto`` (the default with tools): free text, and wherever the model starts a
+  call (the format's trigger, such as `<tool_call>`) the rest of the call is
+  forced to a valid call (xgrammar's ``triggered_tags`` structural tag);
+- ``required``: only calls, at least one;
+- a named function: exactly one call of it.
 
 `parallel_tool_calls: false` ends the grammar after the first call. The call
-format is in `tool_parser.py`; how tools reach the prompt is in `tool_prompt.py`.
-Every complete call's arguments are validated against the function's schema.
+text is the server's `ToolCallFormat` (`tool_parsers/`: Hermes, Llama 3,
+Mistral, pythonic), which builds the grammar and parses the output; how tools
+reach the prompt is in `tool_prompt.py`. Every complete call's arguments are
+validated against the function's schema.
 """
 
 from __future__ import annotations
@@ -36,18 +38,17 @@ from arborlm.constrained.registry import backend_class
 from arborlm.entrypoints.http_errors import bad_request
 from arborlm.entrypoints.openai.common import openai_error
 from arborlm.entrypoints.openai.protocol import ChatCompletionRequest, ToolDefinition
-from arborlm.entrypoints.openai.tool_parser import (
-    CALL_END,
-    CALL_SEPARATOR,
-    CALL_TRIGGER,
+from arborlm.entrypoints.openai.tool_parsers.base import (
     ArgumentsDelta,
     CallStart,
     Event,
+    FunctionSpec,
     ParsedCall,
+    ToolCallFormat,
     ToolCallParser,
-    call_begin,
-    parse_tool_calls,
+    parse_whole,
 )
+from arborlm.entrypoints.openai.tool_parsers.hermes import HermesFormat
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +57,6 @@ logger = logging.getLogger(__name__)
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # The arguments of a function declared without `parameters` (OpenAI: no parameters).
 NO_PARAMETERS = {"type": "object", "properties": {}}
-# Whitespace characters allowed between two JSON tokens of the arguments: room for
-# `{"a": 1, "b": 2}` as json.dumps writes it, too little for a weak model to wander
-# in (xgrammar's least; it refuses 0).
-ARGUMENTS_MAX_WHITESPACE = 1
 
 
 @dataclass(frozen=True)
@@ -70,6 +67,11 @@ class Tool:
     definition: dict[str, Any]
     schema: PreparedSchema
 
+    @property
+    def spec(self) -> FunctionSpec:
+        """What the format's grammar needs: the name and the schema in the backend's form."""
+        return FunctionSpec(self.name, json.loads(self.schema.text))
+
 
 @dataclass(frozen=True)
 class ToolPlan:
@@ -79,29 +81,42 @@ class ToolPlan:
     choice: ``auto``, ``required`` or ``named``.
     named: the forced function's name when ``choice`` is ``named``.
     parallel: several calls allowed in one answer.
+    format: the server's tool-call format (grammar and parser).
     """
 
     tools: tuple[Tool, ...]
     choice: str
     named: str | None
     parallel: bool
+    format: ToolCallFormat
 
     @property
     def definitions(self) -> list[dict[str, Any]]:
         """The tools as OpenAI `tools` entries (for the chat template or the system prompt)."""
         return [t.definition for t in self.tools]
 
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.tools]
+
     def structural_tag(self) -> dict[str, Any]:
-        """The grammar of the answer, as an xgrammar structural tag (see the module docstring)."""
-        if self.choice == "named":
-            fmt = _call_tag(self._tool(self.named))
-        elif self.choice == "required":
-            fmt = {"type": "tags_with_separator", "tags": [_call_tag(t) for t in self.tools],
-                   "separator": CALL_SEPARATOR, "at_least_one": True, "stop_after_first": not self.parallel}
-        else:
-            fmt = {"type": "triggered_tags", "triggers": [CALL_TRIGGER], "tags": [_call_tag(t) for t in self.tools],
-                   "stop_after_first": not self.parallel}
+        """The grammar of the answer, as an xgrammar structural tag (see the module docstring).
+
+        Raises
+        ------
+        GrammarError: a schema the format cannot express (pythonic: a property
+            name that is not a Python identifier).
+        """
+        fmt = self.format.structural_tag([t.spec for t in self.tools], self.choice, self.parallel, self.named)
         return {"type": "structural_tag", "format": fmt}
+
+    def new_parser(self) -> ToolCallParser:
+        """A parser for one choice's output."""
+        return self.format.new_parser(self.names)
+
+    def parse(self, text: str) -> ToolCallParser:
+        """A whole output parsed at once."""
+        return parse_whole(self.format, text, self.names)
 
     def check_call(self, call: ParsedCall) -> str | None:
         """None when a complete call names an offered function and its arguments satisfy its schema."""
@@ -110,28 +125,21 @@ class ToolPlan:
             return f"the model called an unknown function {call.name!r}"
         return validate_json_output(tool.schema, call.arguments)
 
-    def _tool(self, name: str | None) -> Tool:
-        return next(t for t in self.tools if t.name == name)
-
-
-def _call_tag(tool: Tool) -> dict[str, Any]:
-    """One call of `tool`: the fixed opening, arguments valid for its (prepared) schema, the fixed end."""
-    schema = {"type": "json_schema", "json_schema": json.loads(tool.schema.text),
-              "max_whitespace_cnt": ARGUMENTS_MAX_WHITESPACE}
-    return {"type": "tag", "begin": call_begin(tool.name), "content": schema, "end": CALL_END}
-
 
 # ---- the request ---------------------------------------------------------------------
 
 
-def plan_tools(req: ChatCompletionRequest, grammar_backend: str) -> ToolPlan | None:
-    """The request's `ToolPlan`, or None when no tools are offered (none given, or `tool_choice="none"`).
+def plan_tools(req: ChatCompletionRequest, grammar_backend: str,
+               fmt: ToolCallFormat | None = None) -> ToolPlan | None:
+    """The request's `ToolPlan` in the call format `fmt` (Hermes when None), or None when no
+    tools are offered (none given, or `tool_choice="none"`).
 
     Raises
     ------
     APIError: 400 for `tool_choice` without tools, a named function that is not
         among the tools, a bad or duplicate function name, a broken `parameters`
-        schema, or a grammar backend without structural tags.
+        schema (or one `fmt` cannot express), or a grammar backend without
+        structural tags.
     """
     choice = req.tool_choice
     if not req.tools:
@@ -150,7 +158,23 @@ def plan_tools(req: ChatCompletionRequest, grammar_backend: str) -> ToolPlan | N
             raise bad_request(f"tool_choice names {named!r}, which is not among the tools",
                               param="tool_choice.function.name")
     mode = "named" if named else (choice or "auto")
-    return ToolPlan(tools, mode, named, req.parallel_tool_calls is not False)
+    plan = ToolPlan(tools, mode, named, req.parallel_tool_calls is not False, fmt or HermesFormat())
+    _check_expressible(plan)
+    return plan
+
+
+def _check_expressible(plan: ToolPlan) -> None:
+    """Build the grammar once, so that a schema the format cannot write is a 400 naming its tool.
+
+    Raises
+    ------
+    APIError: 400 naming `tools[i].function.parameters`.
+    """
+    for i, tool in enumerate(plan.tools):
+        try:
+            plan.format.structural_tag([tool.spec], "auto", True)
+        except GrammarError as e:
+            raise bad_request(str(e), param=f"tools[{i}].function.parameters") from None
 
 
 def _check_backend(grammar_backend: str) -> None:
@@ -261,7 +285,7 @@ def tool_message(plan: ToolPlan, text: str, reason: str | None, rid: str | None 
 
     `content` is None only when the answer is tool calls alone.
     """
-    parser = parse_tool_calls(text)
+    parser = plan.parse(text)
     checked = checked_calls(plan, parser, rid)
     content = parser.content if checked.calls else parser.content or ""
     message = {"role": "assistant", "content": content,

@@ -1,12 +1,14 @@
 """How offered tools and the tool-call history reach the prompt.
 
-A chat template that already speaks the call format of `tool_parser.py` (it
-renders `tools` and writes `<tool_call>`, as Qwen2.5's and Hermes 2 Pro's do)
-gets the tools as `tools=` and the history as the template expects it (each
-call's arguments as an object, which the template serialises itself).
+A chat template that already speaks the server's call format (`tool_parsers/`:
+it renders `tools` and writes that format's calls, as Qwen2.5's, Llama 3.1's
+and Mistral v0.3's do) gets the tools as `tools=` and the history as the
+template expects it (each call's arguments as an object, which the template
+serialises itself).
 
-Any other template (SmolLM2's has no tool support) gets the Hermes / Qwen2.5
-convention written into the messages:
+Any other template (SmolLM2's has no tool support) gets the tools and the
+history written into the messages, in Qwen2.5's words and the call format's
+text (Hermes blocks unless `--tool-call-parser` names another):
 
 - the tools are described at the end of the system message (a system message
   is added first when there is none), in the words of Qwen2.5's template::
@@ -26,8 +28,9 @@ convention written into the messages:
       {"name": <function-name>, "arguments": <args-json-object>}
       </tool_call>
 
-- an assistant message's `tool_calls` are written after its content, one
-  `<tool_call>` block each, exactly as the model is made to write them;
+  (the last paragraph is the format's `instructions`);
+- an assistant message's `tool_calls` are written after its content in the
+  format's text (`history_text`), exactly as the model is made to write them;
 - a `tool` message's content is wrapped in `<tool_response>` ... `</tool_response>`
   (its role stays `tool`).
 """
@@ -39,34 +42,30 @@ from typing import Any
 
 from arborlm.entrypoints.http_errors import bad_request
 from arborlm.entrypoints.openai.protocol import ChatMessage
-from arborlm.entrypoints.openai.tool_parser import CALL_END, CALL_SEPARATOR, call_begin
+from arborlm.entrypoints.openai.tool_parsers.base import ToolCallFormat
 
 TOOLS_HEADER = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
 )
-TOOLS_FOOTER = (
-    "</tools>\n\nFor each function call, return a json object with function name and arguments "
-    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
-)
+TOOLS_FOOTER = "</tools>\n\n"
 
 
-def renders_tools(tokenizer) -> bool:
-    """True when the chat template renders `tools` in the `<tool_call>` format itself."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    return isinstance(template, str) and "tools" in template and "<tool_call>" in template
+def renders_tools(template: str | None, fmt: ToolCallFormat) -> bool:
+    """True when the chat template renders `tools` and calls in the format `fmt` itself."""
+    return isinstance(template, str) and fmt.renders_natively(template)
 
 
-def tools_system_prompt(definitions: list[dict[str, Any]]) -> str:
+def tools_system_prompt(definitions: list[dict[str, Any]], fmt: ToolCallFormat) -> str:
     """The description of the tools for a template without tool support (see the module docstring)."""
     lines = [json.dumps(d, ensure_ascii=False) for d in definitions]
-    return "\n".join([TOOLS_HEADER, *lines, TOOLS_FOOTER])
+    return "\n".join([TOOLS_HEADER, *lines, TOOLS_FOOTER + fmt.instructions])
 
 
-def with_tools_described(dicts: list[dict[str, Any]], definitions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def with_tools_described(dicts: list[dict[str, Any]], definitions: list[dict[str, Any]],
+                         fmt: ToolCallFormat) -> list[dict[str, Any]]:
     """The messages with the tools described at the end of the (first) system message."""
-    prompt = tools_system_prompt(definitions)
+    prompt = tools_system_prompt(definitions, fmt)
     if dicts and dicts[0]["role"] == "system":
         first = dicts[0]
         content = f"{first['content']}\n\n{prompt}" if first["content"] else prompt
@@ -98,11 +97,9 @@ def history_tool_calls(message: ChatMessage, index: int) -> list[dict[str, Any]]
     return calls
 
 
-def content_with_calls(content: str, calls: list[dict[str, Any]]) -> str:
-    """An assistant message's content followed by its calls as `<tool_call>` blocks."""
-    blocks = [call_begin(c["function"]["name"]) + json.dumps(c["function"]["arguments"], ensure_ascii=False)
-              + CALL_END for c in calls]
-    text = CALL_SEPARATOR.join(blocks)
+def content_with_calls(content: str, calls: list[dict[str, Any]], fmt: ToolCallFormat) -> str:
+    """An assistant message's content followed by its calls in the format's text."""
+    text = fmt.history_text([(c["function"]["name"], c["function"]["arguments"]) for c in calls])
     return f"{content}\n{text}" if content else text
 
 

@@ -1,0 +1,1 @@
+"""Tool-call formats, one module each, behind the `ToolCallFormat` / `ToolCallParser` contract (`base.py`)."""
