@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 BLOCK = 32  # values per block (all three formats)
@@ -135,45 +136,45 @@ def pack_ggml_blocks(fmt: str, raw: torch.Tensor, in_features: int) -> QuantWeig
     expected = ggml_row_bytes(fmt, in_features)
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != expected or raw.shape[0] == 0:
         raise ValueError(f"{fmt} data must be (rows, {expected}) uint8, got {raw.dtype} {tuple(raw.shape)}")
-    blocks = raw.reshape(raw.shape[0], in_features // BLOCK, f.ggml_block_bytes)
-    mins = _fp16_field(blocks, 2) if f.has_min else None
-    quants = blocks[:, :, f.header_bytes:]
+    # ggml's block as a numpy record: fp16 fields and the quant bytes come out as
+    # (rows, nb[, bytes]) arrays in one strided copy each (torch copies strided bytes slowly).
+    header = [("d", "<f2"), ("m", "<f2")] if f.has_min else [("d", "<f2")]
+    record = np.dtype([*header, ("qs", "u1", (f.quant_bytes,))])
+    blocks = raw.numpy().view(record).reshape(raw.shape[0], in_features // BLOCK)
+    quants = np.ascontiguousarray(blocks["qs"])
     if fmt == "q8_0":
-        quants = quants ^ 0x80  # int8 q -> uint8 q + 128
-    return pack_rows(fmt, GgmlRows(quants, _fp16_field(blocks, 0), mins))
+        quants ^= 0x80  # int8 q -> uint8 q + 128
+    mins = _as_fp16(blocks["m"]) if f.has_min else None
+    return pack_rows(fmt, GgmlRows(torch.from_numpy(quants), _as_fp16(blocks["d"]), mins))
 
 
-def _fp16_field(blocks: torch.Tensor, at: int) -> torch.Tensor:
-    """The fp16 at byte `at` of every block: (rows, nb, bytes) uint8 -> (rows, nb) fp16."""
-    return blocks[:, :, at:at + 2].contiguous().view(torch.float16).reshape(blocks.shape[:2])
+def _as_fp16(field: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(field))
 
 
 def pack_rows(fmt: str, rows: GgmlRows) -> QuantWeight:
     """Rows in ggml's order -> the tiled layout (rows padded with zeros up to a tile)."""
     n, nb, width = rows.quants.shape
     tiles = -(-n // TILE)
-    pad = tiles * TILE - n
 
     def tiled(t: torch.Tensor) -> torch.Tensor:
-        if pad:
-            t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
-        return t
+        pad = tiles * TILE - n
+        return torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) if pad else t
 
-    # (tiles, 16 rows, nb, chunks, 4) -> (tiles, nb, chunks, 16 rows, 4)
-    qs = tiled(rows.quants).reshape(tiles, TILE, nb, width // 4, 4).permute(0, 2, 3, 1, 4)
+    # 4-byte chunks as int32: (tiles, 16 rows, nb, chunks) -> (tiles, nb, chunks, 16 rows)
+    chunks = tiled(rows.quants.contiguous()).view(torch.int32).reshape(tiles, TILE, nb, width // 4)
+    qs = chunks.permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(tiles, -1)
 
     def tiled_scales(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else tiled(t).reshape(tiles, TILE, nb).transpose(1, 2).reshape(tiles, -1).contiguous()
 
-    return QuantWeight(
-        fmt, n, nb * BLOCK, qs.reshape(tiles, -1).contiguous(), tiled_scales(rows.scales), tiled_scales(rows.mins)
-    )
+    return QuantWeight(fmt, n, nb * BLOCK, qs, tiled_scales(rows.scales), tiled_scales(rows.mins))
 
 
 def unpack_rows(weight: QuantWeight, rows: torch.Tensor | None = None) -> GgmlRows:
     """Rows `rows` ((n,) int64; None = all) of a packed weight, back in ggml's order."""
     tiles, nb, width = weight.qs.shape[0], weight.num_blocks, weight.format.quant_bytes
-    qs = weight.qs.view(tiles, nb, width // 4, TILE, 4)
+    chunks = weight.qs.view(torch.int32).view(tiles, nb, width // 4, TILE)
 
     def scales_of(t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None:
@@ -184,14 +185,18 @@ def unpack_rows(weight: QuantWeight, rows: torch.Tensor | None = None) -> GgmlRo
         return t[rows // TILE, :, rows % TILE]
 
     if rows is None:
-        quants = qs.permute(0, 3, 1, 2, 4).reshape(tiles * TILE, nb, width)[:weight.out_features]
+        quants = chunks.permute(0, 3, 1, 2).reshape(tiles * TILE, nb, width // 4)[:weight.out_features]
     else:
-        quants = qs[rows // TILE, :, :, rows % TILE].reshape(rows.shape[0], nb, width)
+        quants = chunks[rows // TILE, :, :, rows % TILE]
+    quants = quants.contiguous().view(torch.uint8).reshape(quants.shape[0], nb, width)
     return GgmlRows(quants, scales_of(weight.scales), scales_of(weight.mins))
 
 
 def cat_rows(weights: Sequence[QuantWeight]) -> QuantWeight:
     """Stack weights of one format and width by rows (the shards of a fused projection).
+
+    Tiles are concatenated as they are when every part but the last fills its tiles
+    (q/k/v and gate/up of real models); otherwise rows are unpacked and packed again.
 
     Raises
     ------
@@ -201,6 +206,14 @@ def cat_rows(weights: Sequence[QuantWeight]) -> QuantWeight:
     first = weights[0]
     if any(w.fmt != first.fmt or w.in_features != first.in_features for w in weights):
         raise ValueError("cat_rows needs weights of one format and in_features")
+    out_features = sum(w.out_features for w in weights)
+    if all(w.out_features % TILE == 0 for w in weights[:-1]):
+        mins = None if first.mins is None else torch.cat([w.mins for w in weights])
+        return QuantWeight(
+            first.fmt, out_features, first.in_features, torch.cat([w.qs for w in weights]),
+            torch.cat([w.scales for w in weights]), mins,
+        )
     parts = [unpack_rows(w) for w in weights]
     mins = None if first.mins is None else torch.cat([p.mins for p in parts])
-    return pack_rows(first.fmt, GgmlRows(torch.cat([p.quants for p in parts]), torch.cat([p.scales for p in parts]), mins))
+    quants = torch.cat([p.quants for p in parts])
+    return pack_rows(first.fmt, GgmlRows(quants, torch.cat([p.scales for p in parts]), mins))

@@ -47,12 +47,17 @@ _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "arborlm_quant_abi_version": ((), _int),
     "arborlm_quant_simd": ((), _int),
-    "arborlm_quant_activations": ((_ptr, _i64, _int, _i64, _i64, _ptr, _ptr, _ptr), None),
-    "arborlm_quant_matmul": (
-        (_int, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _int), _int,
-    ),
+    "arborlm_quant_linear": ((_ptr, _i64, _int, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64), _int),
     "arborlm_quant_dequantize": ((_int, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _int), _int),
 }
+
+
+class StackedWeights(tuple):
+    """Weights stacked by rows (one projection's shards), as `QuantOps.prepare` returns
+    them: a tuple of `QuantWeight`; the native ops attach their kernel's arguments,
+    computed once, as `native_args`."""
+
+    native_args: tuple | None = None
 
 
 def load_library(cache_dir: Path) -> ctypes.CDLL:
@@ -91,12 +96,17 @@ class QuantOps:
 
     native = False
 
+    def prepare(self, weights: Sequence[QuantWeight]) -> StackedWeights:
+        """`weights` as `linear` takes them fastest (call once, after loading)."""
+        return StackedWeights(weights)
+
     def linear(
         self, x: torch.Tensor, weights: Sequence[QuantWeight], bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         """`x [W_0; W_1; ...]^T (+ bias)`: the weights stacked by rows (shards of one projection).
 
         x: (rows, in_features) float32 / bf16; every weight has that in_features.
+        weights: a sequence of `QuantWeight`, best from `prepare`.
         bias: (sum of out_features,) in x's dtype, or None.
         Returns (rows, sum of out_features) in x's dtype.
         """
@@ -127,7 +137,21 @@ class NativeQuantOps(QuantOps):
         self.lib = lib
         self.simd = bool(lib.arborlm_quant_simd())
 
+    def prepare(self, weights):
+        stacked = StackedWeights(weights)
+        n = len(weights)
+        fmts = (ctypes.c_int32 * n)(*[w.format.code for w in weights])
+        ptrs = (ctypes.c_uint64 * (3 * n))(*[
+            p for w in weights for p in (w.qs.data_ptr(), w.scales.data_ptr(), 0 if w.mins is None else w.mins.data_ptr())
+        ])
+        heights = (ctypes.c_int64 * n)(*[w.out_features for w in weights])
+        # The ctypes arrays ride along so that their addresses stay valid.
+        addresses = (ctypes.addressof(fmts), ctypes.addressof(ptrs), ctypes.addressof(heights))
+        stacked.native_args = (n, *addresses, sum(w.out_features for w in weights), (fmts, ptrs, heights))
+        return stacked
+
     def linear(self, x, weights, bias=None):
+        # Called once per projection per step: the checks use the cheapest tensor attributes.
         ok = (
             x.dim() == 2 and x.is_cpu and x.dtype in _DTYPE_CODES and x.stride(1) == 1
             and (bias is None or (bias.dtype is x.dtype and bias.is_contiguous() and bias.is_cpu))
@@ -136,30 +160,16 @@ class NativeQuantOps(QuantOps):
             return super().linear(x, weights, bias)
         if x.shape[0] > INT8_MAX_ROWS:
             return self._dequantized_linear(x, weights, bias)
-        return self._int8_linear(x, weights, bias)
-
-    def _int8_linear(self, x: torch.Tensor, weights: Sequence[QuantWeight], bias: torch.Tensor | None):
-        """Quantize x once, then one kernel call per weight into its columns of the output."""
+        args = getattr(weights, "native_args", None) or self.prepare(weights).native_args
+        num_parts, fmts, ptrs, heights, out_features, _ = args
         rows, in_features = x.shape
-        nb = in_features // BLOCK
-        aq = torch.empty((rows, in_features), dtype=torch.int8)
-        ad = torch.empty((rows, nb), dtype=torch.float32)
-        asum = torch.empty((rows, nb), dtype=torch.int32)
-        dtype = _DTYPE_CODES[x.dtype]
-        self.lib.arborlm_quant_activations(
-            x.data_ptr(), x.stride(0), dtype, rows, in_features, aq.data_ptr(), ad.data_ptr(), asum.data_ptr()
-        )
-        out_features = sum(w.out_features for w in weights)
         out = torch.empty((rows, out_features), dtype=x.dtype)
-        col, elem = 0, out.element_size()
-        for w in weights:
-            bias_ptr = None if bias is None else bias.data_ptr() + col * elem
-            self.lib.arborlm_quant_matmul(
-                w.format.code, aq.data_ptr(), ad.data_ptr(), asum.data_ptr(), rows, in_features,
-                w.qs.data_ptr(), w.scales.data_ptr(), None if w.mins is None else w.mins.data_ptr(),
-                w.out_features, bias_ptr, out.data_ptr() + col * elem, out_features, dtype,
-            )
-            col += w.out_features
+        status = self.lib.arborlm_quant_linear(
+            x.data_ptr(), x.stride(0), _DTYPE_CODES[x.dtype], rows, in_features, num_parts, fmts, ptrs, heights,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
+        )
+        if status != 0:
+            raise ValueError(f"arborlm_quant_linear failed ({status})")
         return out
 
     def _dequantized_linear(self, x: torch.Tensor, weights: Sequence[QuantWeight], bias: torch.Tensor | None):

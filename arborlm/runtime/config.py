@@ -21,6 +21,8 @@ from arborlm.constrained.registry import GRAMMAR_BACKEND_NAMES
 from arborlm.runtime.layers.attention.names import ATTENTION_BACKEND_NAMES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Weight formats served as stored (SGLang's --quantization names); "none" dequantizes.
+QUANTIZATIONS = ("gguf", "none")
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ATTENTION_BACKENDS = ATTENTION_BACKEND_NAMES  # one list, torch-free: runtime/layers/attention/names.py
@@ -74,6 +76,12 @@ class ModelConfig:
         default=False,
         metadata={"help": "on the CPU, use torch ops instead of the fused C++ kernels (norm, SwiGLU, rotary, decode)"},
     )
+    quantization: str | None = field(
+        default=None,
+        metadata={"help": "gguf: serve a GGUF file's Q8_0/Q4_0/Q4_1 tensors as stored (int8 kernels), "
+                          "none: dequantize to dtype; default gguf for a quantized GGUF file, else none "
+                          "(SGLang's --quantization)"},
+    )
 
     def __post_init__(self):
         _check_types(self)
@@ -90,6 +98,15 @@ class ModelConfig:
                 "a backend this machine can run: triton needs a CUDA GPU (or TRITON_INTERPRET=1); use auto or torch",
             )
         _check(self.device in ("auto", "cpu", "cuda"), "device", self.device, "auto, cpu or cuda")
+        _check(
+            self.quantization in (None, *QUANTIZATIONS), "quantization", self.quantization,
+            f"None or one of {QUANTIZATIONS}",
+        )
+        _check(
+            self.quantization != "gguf" or self.model_path is None or self.model_path.endswith(".gguf"),
+            "quantization", self.quantization,
+            f"a .gguf model file (model_path={self.model_path!r} is not one); use quantization='none' or leave it unset",
+        )
         if self.device == "cuda":
             import torch
 

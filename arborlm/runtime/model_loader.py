@@ -6,6 +6,11 @@ into a checkpoint folder under `$ARBORLM_CACHE` (its architecture checked from t
 file's header first). `load_model` then builds the model class the registry
 (`arborlm.runtime.models.registry`) names for the checkpoint's architecture, with
 its attention backend (`runtime/layers/attention/`), and fills it from safetensors.
+
+With `quantization="gguf"` (the default for a quantized GGUF file, see
+`resolve_quantization`) the GGUF file's tensors are served as stored instead
+(`runtime/layers/quantization/gguf_loader.py`); the converted folder then holds
+only the config and the tokenizer.
 """
 
 from __future__ import annotations
@@ -79,7 +84,8 @@ def default_model_path() -> Path:
 
 
 def resolve_checkpoint(
-    model_path: str | os.PathLike[str] | None, progress: bool = True, cache_dir: Path | None = None
+    model_path: str | os.PathLike[str] | None, progress: bool = True, cache_dir: Path | None = None,
+    weights: bool = True,
 ) -> Path:
     """The Hugging Face checkpoint folder for `model_path`.
 
@@ -92,11 +98,16 @@ def resolve_checkpoint(
         Show the conversion's progress bar.
     cache_dir:
         Where converted checkpoints live; default `$ARBORLM_CACHE` (`~/.cache/arborlm`).
+    weights:
+        For a GGUF file: False when its tensors are served from the file itself
+        (`quantization="gguf"`), so a folder with the config and tokenizer only is
+        enough (no dequantized copy is written unless one is already there).
 
     Returns
     -------
     Path
-        A folder holding config.json, *.safetensors and the tokenizer files.
+        A folder holding config.json, *.safetensors (unless `weights` is False) and
+        the tokenizer files.
 
     Raises
     ------
@@ -108,7 +119,7 @@ def resolve_checkpoint(
     if path.is_dir():
         checkpoint = path
     elif path.is_file() and path.suffix == ".gguf":
-        checkpoint = _converted_gguf(path, cache_dir or ENVS.cache_dir, progress)
+        checkpoint = _converted_gguf(path, cache_dir or ENVS.cache_dir, progress, weights)
     else:
         raise ModelLoadError(
             f"model path {str(path)!r} is not usable: expected a Hugging Face checkpoint folder "
@@ -186,18 +197,24 @@ def _skip_gguf_value(f, value_type: int) -> None:
         f.seek(_GGUF_SCALAR_BYTES[value_type], os.SEEK_CUR)
 
 
-def _converted_gguf(gguf_file: Path, cache_dir: Path, progress: bool) -> Path:
+def _converted_gguf(gguf_file: Path, cache_dir: Path, progress: bool, weights: bool = True) -> Path:
     """Convert `gguf_file` into a checkpoint folder under `cache_dir`, once.
 
     The folder is keyed by file name, size and mtime, so a changed file is
     converted again. Conversion writes to a temporary folder that is renamed
     into place at the end: an interrupted conversion leaves no half cache.
+    Without `weights`, a full conversion already there is used, else a folder
+    with the config and tokenizer only (suffix "-config").
     """
     stat = gguf_file.stat()
     # The conversion version: folders converted under older rules are converted again.
     target = cache_dir / f"{gguf_file.stem}-{stat.st_size}-{stat.st_mtime_ns}-v{gguf_config.CONVERSION_VERSION}"
     if (target / "config.json").is_file():
         return target
+    if not weights:
+        target = target.with_name(target.name + "-config")
+        if (target / "config.json").is_file():
+            return target
     # Refuse an architecture we do not serve before minutes of conversion, not after.
     registry.architecture_from_gguf(gguf_architecture(gguf_file), str(gguf_file))
     # What transformers' GGUF reader drops (or a refusal of what config.json cannot say).
@@ -211,8 +228,10 @@ def _converted_gguf(gguf_file: Path, cache_dir: Path, progress: bool) -> Path:
     try:
         if settings.architecture == gguf_config.MIXTRAL:  # transformers' reader would make a dense Llama
             convert_mixtral(gguf_file, tmp, settings)
-        else:
+        elif weights:
             _convert(gguf_file, tmp, progress, gguf_config.hf_config(gguf_file, settings))
+        else:
+            _convert_config(gguf_file, tmp)
         gguf_config.patch_config(tmp, settings)
         try:
             os.rename(tmp, target)
@@ -249,6 +268,61 @@ def _convert(gguf_file: Path, out_dir: Path, progress: bool, config=None) -> Non
             hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(out_dir)
     model.save_pretrained(out_dir)
+
+
+def _convert_config(gguf_file: Path, out_dir: Path) -> None:
+    """Write the config and tokenizer of `gguf_file` (transformers' GGUF reader) into out_dir."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        folder, name = str(gguf_file.parent), gguf_file.name
+        AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
+        AutoConfig.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read the config of GGUF file {str(gguf_file)!r}: {exc}") from exc
+
+
+def resolve_quantization(model_path: str | os.PathLike[str] | None, quantization: str | None) -> Path | None:
+    """The GGUF file whose tensors are served as stored, or None to load dequantized weights.
+
+    Parameters
+    ----------
+    model_path: as `resolve_checkpoint` (None = the default model, a Q4_1 GGUF file).
+    quantization: "gguf", "none", or None: "gguf" when the path is a GGUF file of an
+        architecture `gguf_names.QUANTIZED_ARCHS` names holding tensors of a type the
+        kernels serve (`gguf_loader.SERVED_TYPES`), else "none".
+
+    Raises
+    ------
+    ModelLoadError
+        For "gguf" with a path that is not a GGUF file or one of an architecture the
+        quantized loader does not name; for a GGUF file that cannot be read.
+    """
+    from arborlm.runtime.layers.quantization.gguf_file import read_gguf_file
+    from arborlm.runtime.layers.quantization.gguf_loader import SERVED_TYPES
+    from arborlm.runtime.layers.quantization.gguf_names import QUANTIZED_ARCHS
+
+    if quantization == "none":
+        return None
+    path = default_model_path() if model_path is None else Path(model_path).expanduser()
+    if not (path.is_file() and path.suffix == ".gguf"):
+        if quantization == "gguf":
+            raise ModelLoadError(
+                f"quantization='gguf' serves GGUF files; {str(path)!r} is not a .gguf file "
+                "(use quantization='none' or leave it unset)"
+            )
+        return None
+    gguf = read_gguf_file(path)
+    if gguf.architecture not in QUANTIZED_ARCHS:
+        if quantization == "gguf":
+            raise ModelLoadError(
+                f"quantization='gguf' serves GGUF files of architectures {', '.join(QUANTIZED_ARCHS)}; "
+                f"{str(path)!r} is {gguf.architecture!r} (use quantization='none')"
+            )
+        return None
+    if quantization is None and not any(t.ggml_type in SERVED_TYPES for t in gguf.tensors):
+        return None
+    return path
 
 
 def _dequantize_kwargs() -> dict:
@@ -317,6 +391,7 @@ def load_model(
     device: torch.device,
     attention_backend: str = "auto",
     cpu_kernels: bool = True,
+    gguf_file: Path | None = None,
 ) -> LoadedModel:
     """Build our model for `checkpoint` and load its weights.
 
@@ -328,7 +403,9 @@ def load_model(
     attention_backend: a name of `runtime/layers/attention/names.py`
         (see `create_attention_backend`).
     cpu_kernels: use the fused C++ kernels of `kernels/cpu_ops.py` on the CPU
-        (where they build; torch ops otherwise).
+        (where they build; torch ops otherwise), and those of `kernels/quant_ops.py`.
+    gguf_file: serve this GGUF file's tensors as stored (`resolve_quantization`)
+        instead of the checkpoint's safetensors; `checkpoint` gives the config.
 
     Raises
     ------
@@ -352,6 +429,18 @@ def load_model(
     ops = layer_ops(device, native=cpu_kernels)
     attn_backend = create_attention_backend(attention_backend, device, ops if ops.native else None)
     model = model_class(hf_config, dtype, device, attn_backend, ops)
-    model.load_weights(iter_safetensors(checkpoint))
+    if gguf_file is None:
+        model.load_weights(iter_safetensors(checkpoint))
+    else:
+        _load_gguf_quantized(model, gguf_file, hf_config, device, cpu_kernels)
     model.eval()
     return LoadedModel(model=model, hf_config=hf_config, checkpoint=checkpoint, architecture=architecture)
+
+
+def _load_gguf_quantized(model: torch.nn.Module, gguf_file: Path, hf_config, device: torch.device, native: bool):
+    """Fill `model` from `gguf_file` with its quantized tensors served as stored."""
+    from arborlm.kernels.quant_ops import quant_ops
+    from arborlm.runtime.layers.quantization.gguf_file import read_gguf_file
+    from arborlm.runtime.layers.quantization.gguf_loader import load_gguf_weights
+
+    load_gguf_weights(model, read_gguf_file(gguf_file), hf_config, quant_ops(device, native=native))

@@ -16,7 +16,7 @@ from arborlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPool, Token
 from arborlm.runtime.config import ServerArgs
 from arborlm.runtime.forward_batch_info import ForwardBatch, LogitsOutput
 from arborlm.runtime.io_struct import ModelInfo
-from arborlm.runtime.model_loader import load_model, resolve_checkpoint, resolve_dtype
+from arborlm.runtime.model_loader import load_model, resolve_checkpoint, resolve_dtype, resolve_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +54,11 @@ class ModelRunner:
         if self.device.type == "cpu":
             torch.set_num_threads(os.cpu_count() or 1)
         self.dtype = resolve_dtype(server_args.model.dtype, self.device)
-        checkpoint = resolve_checkpoint(server_args.model.model_path)
+        gguf_file = resolve_quantization(server_args.model.model_path, server_args.model.quantization)
+        checkpoint = resolve_checkpoint(server_args.model.model_path, weights=gguf_file is None)
         loaded = load_model(
             checkpoint, self.dtype, self.device, server_args.model.attention_backend,
-            cpu_kernels=not server_args.model.disable_cpu_kernels,
+            cpu_kernels=not server_args.model.disable_cpu_kernels, gguf_file=gguf_file,
         )
         self.model, self.hf_config, self.checkpoint = loaded.model, loaded.hf_config, loaded.checkpoint
         self.architecture = loaded.architecture

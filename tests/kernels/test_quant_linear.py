@@ -134,10 +134,11 @@ def test_native_linear_shards_of_mixed_formats(native_ops):
 
 
 @pytest.mark.parametrize("fmt", list(GGML_TYPES))
-def test_cat_rows_stacks_shards(fmt):
-    (a, va), (b, vb) = packed(fmt, 7, 96, seed=0), packed(fmt, 20, 96, seed=1)
+@pytest.mark.parametrize("heights", [(7, 20), (32, 7)])  # repacked rows; whole tiles concatenated
+def test_cat_rows_stacks_shards(fmt, heights):
+    (a, va), (b, vb) = packed(fmt, heights[0], 96, seed=0), packed(fmt, heights[1], 96, seed=1)
     both = cat_rows([a, b])
-    assert both.out_features == 27
+    assert both.out_features == sum(heights)
     assert torch.equal(quant_reference.dequantize(both), torch.cat([va, vb]))
     assert torch.equal(unpack_rows(both).quants, torch.cat([unpack_rows(a).quants, unpack_rows(b).quants]))
 

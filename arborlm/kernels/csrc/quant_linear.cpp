@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "quant_layout.h"
 
@@ -259,6 +260,38 @@ int arborlm_quant_matmul(int fmt, const int8_t* aq, const float* ad, const int32
     case kQ4_1: matmul<kQ4_1>(a, M, K, w, N, bias, out, ldo, dtype); return 0;
     default: return -1;
   }
+}
+
+// The whole layer in one call (what `quant_ops.NativeQuantOps.linear` calls, once
+// per projection): quantize x (M, K) of dtype `dtype` (row stride ldx) once, then
+// for each of `num_parts` weights stacked by rows (formats fmts[p], arrays
+// ptrs[3p..3p+2] = wq, wd, wm (0 if none), heights Ns[p]) write its columns of out
+// (M, sum Ns) of `dtype` (row stride ldo), adding its slice of bias (null = none).
+// The activation buffers are the calling thread's, kept between calls.
+// Returns 0, or -1 for an unknown format (nothing is written past the parts before it).
+int arborlm_quant_linear(const void* x, int64_t ldx, int dtype, int64_t M, int64_t K, int64_t num_parts,
+                         const int32_t* fmts, const uint64_t* ptrs, const int64_t* Ns, const void* bias, void* out,
+                         int64_t ldo) {
+  thread_local std::vector<int8_t> aq;
+  thread_local std::vector<float> ad;
+  thread_local std::vector<int32_t> as;
+  const int64_t nb = K / kBlock;
+  aq.resize(static_cast<size_t>(M * K));
+  ad.resize(static_cast<size_t>(M * nb));
+  as.resize(static_cast<size_t>(M * nb));
+  arborlm_quant_activations(x, ldx, dtype, M, K, aq.data(), ad.data(), as.data());
+  const int64_t elem = dtype == kF32 ? 4 : 2;
+  int64_t col = 0;
+  for (int64_t p = 0; p < num_parts; ++p) {
+    const char* part_bias = bias == nullptr ? nullptr : static_cast<const char*>(bias) + col * elem;
+    const int status = arborlm_quant_matmul(
+        fmts[p], aq.data(), ad.data(), as.data(), M, K, reinterpret_cast<const uint8_t*>(ptrs[3 * p]),
+        reinterpret_cast<const uint16_t*>(ptrs[3 * p + 1]), reinterpret_cast<const uint16_t*>(ptrs[3 * p + 2]),
+        Ns[p], part_bias, static_cast<char*>(out) + col * elem, ldo, dtype);
+    if (status != 0) return status;
+    col += Ns[p];
+  }
+  return 0;
 }
 
 }  // extern "C"

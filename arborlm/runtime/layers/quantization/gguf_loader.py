@@ -1,0 +1,205 @@
+"""Serve a GGUF file's weights in their quantized form: the `quantization="gguf"` load path.
+
+`model_loader.load_model` builds the model as for any checkpoint (its weights
+uninitialised, so untouched) and calls `load_gguf_weights`, which
+
+1. reads the tensor table (`gguf_file.py`) and maps llama.cpp's names to Hugging
+   Face's (`gguf_names.py`);
+2. installs quantized layers: every `Linear` / `MergedLinear` whose checkpoint
+   weights are all of a format the kernels serve (`SERVED_TYPES`) becomes a
+   `QuantizedLinear`, a `VocabEmbedding` whose table is one becomes a
+   `QuantizedEmbedding`, and a head tied to that table a `QuantizedLinear` over
+   the same packed bytes;
+3. streams the file once: served tensors are packed (`pack_ggml_blocks`, q/k rows
+   put back in Hugging Face's order) into their layers; everything else (norms,
+   biases, F16 / F32 tensors, quantized types the kernels do not serve, logged once
+   per type) is dequantized by `gguf.quants` and handed to the model's own
+   `load_weights`, one tensor at a time.
+
+No float copy of a served tensor is ever made: resident weights are the file's
+bytes (plus row padding to tiles of 16) and the dequantized rest.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Hashable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from arborlm.errors import ModelLoadError
+from arborlm.kernels.quant_layout import pack_ggml_blocks
+from arborlm.kernels.quant_ops import QuantOps
+from arborlm.runtime.layers.linear import Linear, MergedLinear
+from arborlm.runtime.layers.quantization.gguf_file import GGUFFile, GGUFTensorInfo
+from arborlm.runtime.layers.quantization.gguf_names import hf_name, hf_row_order, is_ignored
+from arborlm.runtime.layers.quantization.quant_linear import WHOLE, QuantizedEmbedding, QuantizedLinear
+from arborlm.runtime.layers.vocab_embedding import VocabEmbedding
+
+logger = logging.getLogger(__name__)
+
+# ggml type id (GGMLQuantizationType) -> our packed format (kernels/quant_layout.py).
+SERVED_TYPES = {8: "q8_0", 2: "q4_0", 3: "q4_1"}
+
+
+@dataclass
+class GGUFLoadReport:
+    """What the load did: tensors served packed and dequantized, by ggml type name."""
+
+    quantized: collections.Counter = field(default_factory=collections.Counter)
+    dequantized: collections.Counter = field(default_factory=collections.Counter)
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where a checkpoint tensor goes: a quantized layer's shard weight, its bias, or a table."""
+
+    module: nn.Module
+    shard: Hashable
+    kind: str  # "weight" | "bias" | "table"
+
+
+def load_gguf_weights(model: nn.Module, gguf: GGUFFile, hf_config, ops: QuantOps) -> GGUFLoadReport:
+    """Install quantized layers in `model` and fill it from `gguf` (see the module docstring).
+
+    Parameters
+    ----------
+    model: built by its family's class, weights unloaded; its `load_weights` takes
+        Hugging Face names, and its `_STACKED` table (checkpoint projection ->
+        fused module, shard) says which shards a `MergedLinear` stacks.
+    gguf: the parsed file (`read_gguf_file`).
+    hf_config: the model's transformers config (head counts for q/k row order).
+    ops: the quantized ops the new layers run on.
+
+    Raises
+    ------
+    ModelLoadError
+        For a tensor name outside the table of `gguf_names`, a shape that does not
+        match the model, or a weight missing from the file.
+    """
+    stacked = getattr(model, "_STACKED", {})
+    served = {hf_name(t.name) for t in gguf.tensors if t.ggml_type in SERVED_TYPES} - {None}
+    targets, tied_heads = _install(model, served, stacked, ops)
+    report = GGUFLoadReport()
+    model.load_weights(_stream(gguf, hf_config, targets, report))
+    for path, module in model.named_modules():
+        if isinstance(module, QuantizedLinear) and module not in tied_heads.values():
+            module.finish(path)
+    for table, head in tied_heads.items():
+        head.set_weights((table.weight,))
+    _log(gguf, report)
+    return report
+
+
+def _install(
+    model: nn.Module, served: set[str], stacked: Mapping[str, tuple[str, Hashable]], ops: QuantOps
+) -> tuple[dict[str, _Target], dict[QuantizedEmbedding, QuantizedLinear]]:
+    """Swap in the quantized layers; returns where each served tensor goes, and tied heads."""
+    targets: dict[str, _Target] = {}
+    tables: dict[int, QuantizedEmbedding] = {}  # id of the replaced embedding weight -> its table
+    for path, module in list(model.named_modules()):
+        if isinstance(module, VocabEmbedding) and f"{path}.weight" in served:
+            table = QuantizedEmbedding(*module.weight.shape, module.weight.dtype, ops)
+            model.set_submodule(path, table)
+            tables[id(module.weight)] = table
+            targets[f"{path}.weight"] = _Target(table, WHOLE, "table")
+    tied_heads: dict[QuantizedEmbedding, QuantizedLinear] = {}
+    for path, module in list(model.named_modules()):
+        if not isinstance(module, Linear):
+            continue
+        if id(module.weight) in tables:  # a head tied to a quantized table reads the same bytes
+            head = QuantizedLinear.replacing(module, ops)
+            model.set_submodule(path, head)
+            tied_heads[tables[id(module.weight)]] = head
+            continue
+        names = _checkpoint_names(path, module, stacked)
+        if not names or not all(name in served for name in names.values()):
+            continue
+        layer = QuantizedLinear.replacing(module, ops)
+        model.set_submodule(path, layer)
+        for shard, name in names.items():
+            targets[name] = _Target(layer, shard, "weight")
+            if module.bias is not None:
+                targets[name.removesuffix("weight") + "bias"] = _Target(layer, shard, "bias")
+    return targets, tied_heads
+
+
+def _checkpoint_names(path: str, linear: Linear, stacked: Mapping[str, tuple[str, Hashable]]) -> dict:
+    """Shard id -> the checkpoint weight name that fills it ("...qkv_proj" -> q/k/v_proj);
+    empty for a fused layer the model's table does not cover (it stays a plain layer)."""
+    if not isinstance(linear, MergedLinear):
+        return {WHOLE: f"{path}.weight"}
+    prefix, _, ours = path.rpartition(".")
+    names = {shard: f"{prefix}.{hf_part}.weight" for hf_part, (fused, shard) in stacked.items() if fused == ours}
+    return names if set(names) == set(linear.shard_slices) else {}
+
+
+def _stream(
+    gguf: GGUFFile, hf_config, targets: dict[str, _Target], report: GGUFLoadReport
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pack the served tensors into their layers; yield the rest, dequantized, in HF names."""
+    for info in gguf.tensors:
+        if is_ignored(info.name):
+            continue
+        name = hf_name(info.name)
+        if name is None:
+            raise ModelLoadError(
+                f"GGUF tensor {info.name!r} of {str(gguf.path)!r} is not one quantization='gguf' knows "
+                f"(architecture {gguf.architecture!r}); serve the file with quantization='none'"
+            )
+        rows = hf_row_order(info.name, gguf.architecture, info.num_rows, hf_config)
+        target = targets.get(name)
+        if target is not None and target.kind != "bias":
+            _load_packed(target, _packed(gguf, info, rows), name)
+            report.quantized[info.type_name] += 1
+            continue
+        values = gguf.values(info)
+        tensor = torch.from_numpy(values if rows is None else values[rows])
+        report.dequantized[info.type_name] += 1
+        if target is not None:
+            target.module.load_bias(target.shard, tensor, name)
+        else:
+            yield name, tensor
+
+
+def _packed(gguf: GGUFFile, info: GGUFTensorInfo, rows: np.ndarray | None):
+    """The tensor's ggml rows (reordered when `rows`), packed; one copy of its bytes."""
+    raw = gguf.raw(info)
+    raw = raw[rows] if rows is not None else np.array(raw)
+    try:
+        return pack_ggml_blocks(SERVED_TYPES[info.ggml_type], torch.from_numpy(raw), info.row_width)
+    except ValueError as exc:
+        raise ModelLoadError(f"GGUF tensor {info.name!r}: {exc}") from exc
+
+
+def _load_packed(target: _Target, weight, name: str) -> None:
+    if target.kind == "table":
+        target.module.set_weight(weight, name)
+    else:
+        target.module.load_shard(target.shard, weight, name)
+
+
+def _log(gguf: GGUFFile, report: GGUFLoadReport) -> None:
+    unserved = {t: n for t, n in report.dequantized.items() if t not in ("F32", "F16", "BF16")}
+    if unserved:
+        logger.warning(
+            "%s: %s tensors served dequantized: the quantized kernels cover %s",
+            gguf.path.name, dict(unserved), ", ".join(sorted(f.upper() for f in SERVED_TYPES.values())),
+        )
+    logger.info(
+        "%s: serving %s tensors quantized, %s dequantized", gguf.path.name, dict(report.quantized),
+        dict(report.dequantized),
+    )
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of every tensor `module` holds (parameters and buffers), each storage once."""
+    seen: dict[int, int] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
