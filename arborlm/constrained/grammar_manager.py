@@ -21,7 +21,12 @@ a compile that outlives the deadline of every request waiting for it is ended
 by killing that process, and a fresh one starts at once. Backends that cannot
 ship (test fakes) compile on threads: a compile past its deadline gives up its
 slot to a new thread, so it cannot starve the others, but it keeps its core
-busy until it returns (a daemon thread, so it does not hold up exit).
+busy until it returns (a daemon thread, so it does not hold up exit). Such
+abandoned compiles are capped: while ``max_abandoned_compiles`` of them still
+run, a grammar that is not cached is refused at once
+(`GrammarCompilesOverloaded`, which the server should answer with 503; a
+compile already cached or in flight is still served), so a stream of slow
+schemas cannot pile threads onto the cores.
 
 Cost of the worker process (SmolLM2 tokenizer, 49152 tokens, a busy 2-core
 machine): start-up 3 s idle, 7 to 9 s busy (importing xgrammar imports torch
@@ -69,6 +74,17 @@ logger = logging.getLogger(__name__)
 
 # How often an idle slot's thread checks that its manager is still referenced.
 IDLE_CHECK_S = 1.0
+
+
+class GrammarCompilesOverloaded(GrammarError):
+    """A new grammar compile refused while abandoned compiles (past their deadline, on threads
+    that cannot be stopped) fill `GrammarManager.max_abandoned_compiles`.
+
+    The grammar may be fine: the client should retry later. `code` is the HTTP
+    error code it stands for (``server_overloaded``, a 503, as for `ServerOverloadedError`).
+    """
+
+    code = "server_overloaded"
 
 
 def create_grammar_backend(name: str, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> GrammarBackend:
@@ -133,6 +149,8 @@ class PendingGrammar:
             error = self._future.exception()
             if error is None:
                 return self._future.result()
+            if isinstance(error, GrammarCompilesOverloaded):
+                raise GrammarCompilesOverloaded(error.message, error.param) from error
             if isinstance(error, GrammarError):
                 raise GrammarError(error.message, error.param) from error  # a fresh one per request
             raise _backend_failure(self.key, error) from error
@@ -162,19 +180,26 @@ class GrammarManager:
         Compile in worker processes built from ``backend.worker_args()`` (when
         it is not None) or on threads; None: ``backend.compile_in_worker_by_default``
         (outlines-core: processes; xgrammar: threads, see `XGrammarBackend`).
+    max_abandoned_compiles:
+        Thread compiles given up at their deadline that may still run; while
+        that many do, `request` refuses grammars it has to compile
+        (`GrammarCompilesOverloaded`).
 
     Thread-safe: `request` and `stats` may be called from any thread.
     """
 
     def __init__(self, backend: GrammarBackend, compile_timeout: float, max_workers: int = 2,
                  max_cache_entries: int = 1024, max_recorded_times: int = 1024,
-                 use_worker_processes: bool | None = None):
+                 use_worker_processes: bool | None = None, max_abandoned_compiles: int = 2):
         if compile_timeout <= 0:
             raise ValueError(f"compile_timeout must be > 0, got {compile_timeout}")
         if max_cache_entries < 1:
             raise ValueError(f"max_cache_entries must be >= 1, got {max_cache_entries}")
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        if max_abandoned_compiles < 1:
+            raise ValueError(f"max_abandoned_compiles must be >= 1, got {max_abandoned_compiles}")
+        self.max_abandoned_compiles = max_abandoned_compiles
         self.backend = backend
         self.compile_timeout = compile_timeout
         self.max_cache_entries = max_cache_entries
@@ -186,6 +211,7 @@ class GrammarManager:
         self._num_cache_hits = 0
         self._num_failures = 0
         self._num_timeouts = 0
+        self._num_overloaded = 0
         self._compile_times_s: deque[float] = deque(maxlen=max_recorded_times)
         self._closed = False
         if use_worker_processes is None:
@@ -210,7 +236,9 @@ class GrammarManager:
         """Start compiling ``key`` (or reuse the cached compile) and return the wait for it.
 
         The deadline is now + ``compile_timeout``, also for a cache hit on a
-        compile still in flight.
+        compile still in flight. A grammar not in the cache while
+        `max_abandoned_compiles` abandoned compiles still run is refused: the
+        wait's `PendingGrammar.result` raises `GrammarCompilesOverloaded` (not cached).
 
         Raises
         ------
@@ -227,6 +255,9 @@ class GrammarManager:
                 self._cache.move_to_end(cache_key)
                 self._num_cache_hits += 1
                 job.deadline = max(job.deadline, deadline)
+            elif self._num_abandoned_running() >= self.max_abandoned_compiles:
+                self._num_overloaded += 1
+                return PendingGrammar(key, _failed_future(self._overloaded_error(key)), deadline, self.compile_timeout)
             else:
                 job = CompileJob(key, concurrent.futures.Future(), deadline)
                 self._cache[cache_key] = job
@@ -260,7 +291,10 @@ class GrammarManager:
         num_cached: entries in the cache; compile_times_s: the latest compile
         durations in seconds (oldest first, bounded); worker_pids: the live
         compile worker processes; num_worker_starts: worker processes started
-        (restarts after a kill or a crash included).
+        (restarts after a kill or a crash included); num_abandoned_running:
+        thread compiles given up at their deadline that still run;
+        num_overloaded: grammars refused while those were at
+        `max_abandoned_compiles`.
         """
         with self._lock:
             return {
@@ -272,6 +306,8 @@ class GrammarManager:
                 "compile_times_s": list(self._compile_times_s),
                 "worker_pids": [pid for slot in self._slots if (pid := slot.pid) is not None],
                 "num_worker_starts": sum(getattr(slot, "num_started", 0) for slot in self._slots),
+                "num_abandoned_running": self._num_abandoned_running(),
+                "num_overloaded": self._num_overloaded,
             }
 
     def shutdown(self) -> None:
@@ -366,6 +402,16 @@ class GrammarManager:
             self._uncache(job)
         return _timeout_error(job.key, self.compile_timeout)
 
+    def _num_abandoned_running(self) -> int:
+        """Thread compiles given up at their deadline that still run, over all slots."""
+        return sum(slot.num_abandoned_running for slot in self._slots if isinstance(slot, ThreadSlot))
+
+    def _overloaded_error(self, key: GrammarKey) -> GrammarCompilesOverloaded:
+        return GrammarCompilesOverloaded(
+            f"grammar compiles are overloaded: {self.max_abandoned_compiles} compiles that outlived "
+            f"grammar_compile_timeout={self.compile_timeout:g} s still run and cannot be stopped; "
+            f"the {key.kind} grammar was not compiled, retry later", key.param)
+
     def _uncache(self, job: CompileJob) -> None:
         cache_key = (self.backend.name, job.key.kind, job.key.text)
         if self._cache.get(cache_key) is job:
@@ -404,6 +450,7 @@ class ThreadSlot:
     A compile past its job's deadline is abandoned: `run` raises
     `CompileTimeout` and the slot takes the next job on a new thread while the
     old one runs on (it cannot be stopped) and its result is dropped.
+    `num_abandoned` counts them all, `num_abandoned_running` those still running.
     """
 
     pid = None
@@ -413,6 +460,15 @@ class ThreadSlot:
         self._closed = threading.Event()
         self._wakeup: threading.Event | None = None
         self.num_abandoned = 0
+        self._abandoned: list[threading.Thread] = []
+        self._abandoned_lock = threading.Lock()  # `run`'s thread appends, the manager's callers count
+
+    @property
+    def num_abandoned_running(self) -> int:
+        """Abandoned compiles whose thread has not returned yet."""
+        with self._abandoned_lock:
+            self._abandoned = [thread for thread in self._abandoned if thread.is_alive()]
+            return len(self._abandoned)
 
     def run(self, job: CompileJob) -> tuple[CompiledGrammar, float]:
         """Compile ``job.key``; (compiled, seconds).
@@ -438,10 +494,13 @@ class ThreadSlot:
             outcome["compile_s"] = time.perf_counter() - start
             done.set()
 
-        threading.Thread(target=compile_on_thread, name="arborlm-grammar-compile", daemon=True).start()
+        thread = threading.Thread(target=compile_on_thread, name="arborlm-grammar-compile", daemon=True)
+        thread.start()
         while not done.wait(max(0.0, job.deadline - time.monotonic())):
             if time.monotonic() > job.deadline:
                 self.num_abandoned += 1
+                with self._abandoned_lock:
+                    self._abandoned.append(thread)
                 logger.warning("abandoned a %s grammar compile past its deadline (%d so far); its thread runs on",
                                job.key.kind, self.num_abandoned)
                 raise CompileTimeout
@@ -477,6 +536,13 @@ def _cancel(future: concurrent.futures.Future) -> None:
     """
     if not future.done() and future.cancel():
         future.set_running_or_notify_cancel()
+
+
+def _failed_future(error: BaseException) -> concurrent.futures.Future:
+    """A future already done with ``error``."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_exception(error)
+    return future
 
 
 def _set_future(future: concurrent.futures.Future, *, result=None, error: BaseException | None = None) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -18,7 +20,10 @@ from jsonschema import exceptions as js_exceptions
 from jsonschema import validators as js_validators
 
 from arborlm.constrained.json_schema import prepare_json_schema, validate_json_output
-from arborlm.constrained.json_schema.budgeted_validator import budgeted_validator_class, without_dialects
+from arborlm.constrained.json_schema.budgeted_validator import (
+    budgeted_validator_class,
+    without_dialects,
+)
 from arborlm.constrained.json_schema.regex_budget import PatternTimeout, RegexBudget
 from arborlm.constrained.keys import GrammarError
 
@@ -69,7 +74,24 @@ def test_search_agrees_with_re(pattern, text):
     assert RegexBudget(1.0).search(pattern, text) == (re.search(pattern, text) is not None)
 
 
-def test_search_stops_at_the_deadline_with_the_gil_released():
+def test_only_matching_time_counts():
+    """Other work of the job (the first schema imports xgrammar: seconds) does not spend the budget."""
+    budget = RegexBudget(0.05)
+    time.sleep(0.1)
+    assert budget.search("a", "a")
+    assert 0 < budget.spent_s < 0.05
+
+
+def test_the_first_schema_of_a_process_is_not_refused():
+    code = ("from arborlm.constrained.json_schema import prepare_json_schema\n"
+            "schema = {'type': 'object', 'properties': {'ab': {'type': 'string', 'pattern': '^a'}},"
+            " 'patternProperties': {'^a': {'type': 'string', 'pattern': '^a'}}, 'required': ['ab', 'ac']}\n"
+            "print(prepare_json_schema(schema, regex_budget_s=0.2).text)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_search_stops_when_the_budget_is_spent_with_the_gil_released():
     budget = RegexBudget(0.2)
     with Ticker() as ticker:
         start = time.perf_counter()

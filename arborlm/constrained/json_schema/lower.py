@@ -110,7 +110,6 @@ from typing import Any
 
 from jsonschema import validators as js_validators
 
-from arborlm.constrained.keys import GrammarError
 from arborlm.constrained.json_schema.budgeted_validator import budgeted_validator_class
 from arborlm.constrained.json_schema.merge import SchemaMerge
 from arborlm.constrained.json_schema.nodes import (
@@ -142,6 +141,7 @@ from arborlm.constrained.json_schema.patterns import (
     xgrammar_regex_error,
 )
 from arborlm.constrained.json_schema.values import mutually_exclusive
+from arborlm.constrained.keys import GrammarError
 
 
 @dataclass(frozen=True)
@@ -386,11 +386,12 @@ class SchemaLowering:
         names = dict(node.get("properties", {}))
         for name in required:
             if name not in names:
-                names[name] = self.merger.governing(node, name, path)
+                names[name] = self.merger.governing(node, name, path, by_reference=True)
         for name in node.get("properties", {}):
             matching = [s for p, s in patterns.items() if self.budget.search(p, name)]
             if matching:
-                names[name] = self.merger.merge([names[name], *matching], path)
+                # By reference: two recursive $refs merged in place would unfold in their own lowering.
+                names[name] = self.merger.merge_by_reference([names[name], *matching], path)
         property_names = self.lower(node.get("propertyNames", {}), f"{path}/propertyNames")
         bad_names: set[str] = set()  # excluded by propertyNames itself
         if property_names not in ({}, False):

@@ -35,6 +35,10 @@ class References(Protocol):
         """The conjunction of ``flat``, some of which are (or hold) a ``$ref``; may add a ``$defs`` entry."""
         ...
 
+    def defer(self, flat: list[dict], path: str) -> Schema:
+        """The conjunction of ``flat`` (some hold a ``$ref``) as a reference to a new or equal ``$defs`` entry."""
+        ...
+
 
 class SchemaMerge:
     """Phase A conjunction: `merge` of phase A schemas.
@@ -77,6 +81,21 @@ class SchemaMerge:
             if out is False:
                 return False
         return out
+
+    def merge_by_reference(self, parts: list[Schema], path: str) -> Schema:
+        """`merge`, except that a conjunction of several parts, one holding a ``$ref``, becomes a
+        reference to a ``$defs`` entry (`References.defer`).
+
+        Phase B merges the schemas a property name falls under with it: merged
+        in place, two recursive references would unfold inside their own
+        lowering without end.
+        """
+        flat = [p for p in parts if p is not True and p != {}]
+        if any(p is False for p in flat):
+            return False
+        if len(flat) > 1 and any("$ref" in p for p in flat):
+            return self.refs.defer(flat, path)
+        return self.merge(parts, path)
 
     def _distribute(self, parts: list[dict], combinators: list[int], path: str) -> Schema:
         size = 1
@@ -211,11 +230,15 @@ class SchemaMerge:
             merged[p] = self.merge([merged[p], s], path) if p in merged else s
         return merged
 
-    def governing(self, node: dict, name: str, path: str) -> Schema:
-        """The schema ``node`` applies to the value of property ``name``."""
+    def governing(self, node: dict, name: str, path: str, *, by_reference: bool = False) -> Schema:
+        """The schema ``node`` applies to the value of property ``name``.
+
+        by_reference: several matching patterns are conjoined with
+        `merge_by_reference` (phase B), not `merge`.
+        """
         if name in node.get("properties", {}):
             return node["properties"][name]
         matching = [s for p, s in node.get("patternProperties", {}).items() if self.budget.search(p, name)]
         if matching:
-            return self.merge(matching, path)
+            return self.merge_by_reference(matching, path) if by_reference else self.merge(matching, path)
         return node.get("additionalProperties", {})

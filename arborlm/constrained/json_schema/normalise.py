@@ -45,7 +45,6 @@ import referencing.jsonschema
 from referencing import Registry
 from referencing.exceptions import Unresolvable
 
-from arborlm.constrained.keys import GrammarError
 from arborlm.constrained.json_schema.merge import SchemaMerge
 from arborlm.constrained.json_schema.nodes import (
     DEFS_PREFIX,
@@ -63,9 +62,15 @@ from arborlm.constrained.json_schema.nodes import (
 )
 from arborlm.constrained.json_schema.regex_budget import RegexBudget
 from arborlm.constrained.json_schema.values import json_intersection, unique
+from arborlm.constrained.keys import GrammarError
 
 # Most conjunctions of recursive references one schema may defer into new $defs entries.
 MAX_DEFERRED = 256
+# Most conjunctions of references unfolded one inside the other; a deeper one is deferred into
+# a $defs entry, computed later from the top of the stack. Each level takes a few Python frames:
+# a chain of 400 definitions, each merged with its siblings, ran out of stack (a RecursionError,
+# or a panic inside `referencing`'s Rust maps) before.
+MAX_UNFOLD_DEPTH = 32
 _SPECIFICATIONS = {
     2020: referencing.jsonschema.DRAFT202012,
     2019: referencing.jsonschema.DRAFT201909,
@@ -182,6 +187,9 @@ class Normaliser:
             raise GrammarError(f"json_schema: $ref {ref!r} at {path or '/'} cannot be resolved: "
                                f"{why.get(type(e).__name__, 'not inside the schema (remote references are not fetched)')}",
                                PARAM) from e
+        except (TypeError, ValueError) as e:  # `referencing` walking a pointer through a boolean, or "x" as an index
+            raise GrammarError(f"json_schema: $ref {ref!r} at {path or '/'} cannot be resolved: "
+                               "no such location in the schema", PARAM) from e
         target = resolved.contents
         if isinstance(target, bool):
             return {} if target else False
@@ -222,8 +230,10 @@ class Normaliser:
 
         The targets are unfolded and merged in place, except when the same
         conjunction is already being merged further up, or a target is still
-        being normalised (a recursive schema): then the conjunction becomes a
-        new ``$defs`` entry, computed later, so the recursion stays a reference.
+        being normalised (a recursive schema), or `MAX_UNFOLD_DEPTH`
+        conjunctions are being merged one inside the other: then the
+        conjunction becomes a new ``$defs`` entry, computed later, so the
+        recursion stays a reference.
         """
         names = sorted({p["$ref"][len(DEFS_PREFIX) :] for p in flat if "$ref" in p})
         plain = [{k: v for k, v in p.items() if k != "$ref"} for p in flat]
@@ -231,13 +241,51 @@ class Normaliser:
         if len(names) == 1 and not plain:
             return {"$ref": DEFS_PREFIX + names[0]}
         key = (tuple(names), tuple(sorted(canon(p) for p in plain)))
-        if key in self.merging or any(n in self.unfolding for n in names):
+        if key in self.merging or any(n in self.unfolding for n in names) or len(self.merging) >= MAX_UNFOLD_DEPTH:
             return self._deferred_ref(key, names, plain, path)
         self.merging.add(key)
         try:
             return self.merger.merge([self.def_a(n) for n in names] + plain, path)
         finally:
             self.merging.discard(key)
+
+    def defer(self, flat: list[dict], path: str) -> Schema:
+        """The conjunction of ``flat`` (some hold a ``$ref``) as a reference to a ``$defs`` entry of its own.
+
+        For phase B, which merges the schemas a property name falls under
+        (its ``properties`` entry and the ``patternProperties`` it matches):
+        merged in place, a conjunction of recursive references is lowered in
+        place again inside itself, without end (a RecursionError before). As
+        an entry it is lowered once, like any def. A deferred entry among the
+        parts stands for its own parts, so a conjunction is one entry however
+        it is reached, and there are finitely many.
+        """
+        names, plain = self._flat_parts(flat)
+        if len(names) == 1 and not plain:
+            return {"$ref": DEFS_PREFIX + names[0]}
+        key = (tuple(names), tuple(sorted(canon(p) for p in plain)))
+        return self._deferred_ref(key, names, plain, path)
+
+    def _flat_parts(self, flat: list[dict]) -> tuple[list[str], list[dict]]:
+        """The def names ``flat`` references, deferred entries replaced by their parts, and its other parts."""
+        names: set[str] = set()
+        plain: dict[str, dict] = {}  # canonical text -> part, so that repeats count once
+        expanded: set[str] = set()
+        todo = list(flat)
+        while todo:
+            part = todo.pop()
+            ref = part.get("$ref")
+            name = ref[len(DEFS_PREFIX) :] if isinstance(ref, str) else None
+            if name in self.deferred:
+                if name not in expanded:
+                    expanded.add(name)
+                    todo.extend(self.deferred[name])
+            elif name is not None:
+                names.add(name)
+            rest = {k: v for k, v in part.items() if k != "$ref"}
+            if rest:
+                plain.setdefault(canon(rest), rest)
+        return sorted(names), list(plain.values())
 
     def _deferred_ref(self, key: tuple, names: list[str], plain: list[dict], path: str) -> Schema:
         name = self.deferred_names.get(key)

@@ -20,8 +20,8 @@ import re
 import urllib.parse
 from typing import Any
 
-from arborlm.constrained.keys import GrammarError
 from arborlm.constrained.json_schema.nodes import Relaxed
+from arborlm.constrained.keys import GrammarError
 
 # Top-level key of a schema `relax_for_outlines` relaxed (removed before outlines-core reads it).
 LENIENT_MARK = "x-arborlm-lenient"

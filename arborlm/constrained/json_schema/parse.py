@@ -21,12 +21,17 @@ import referencing.jsonschema
 from jsonschema import exceptions as js_exceptions
 from jsonschema import validators as js_validators
 
-from arborlm.constrained.keys import GrammarError
 from arborlm.constrained.json_schema.nodes import DRAFT_YEAR, PARAM
+from arborlm.constrained.keys import GrammarError
 
 # Longest schema accepted, in characters of its JSON text: far above real schemas (a
 # 20000-value enum is ~300k), and it bounds the work a request can make the front do.
 MAX_SCHEMA_CHARS = 1 << 20
+# Deepest nesting of JSON objects and arrays accepted in a schema. The phases recurse per
+# level (jsonschema's metaschema check takes about ten frames per schema level), so a schema
+# 100 object levels deep ran out of Python's stack; the deepest of the JSONSchemaBench sample
+# nests 23 levels.
+MAX_SCHEMA_DEPTH = 64
 
 _VALIDATORS = (
     js_validators.Draft202012Validator,
@@ -50,13 +55,16 @@ def load_schema(schema: Any) -> Any:
     GrammarError
         (``param="json_schema"``) Not JSON-serialisable, longer than
         `MAX_SCHEMA_CHARS`, not JSON (with line and column, duplicate keys,
-        NaN and Infinity refused), or neither an object nor a boolean.
+        NaN and Infinity refused), nested deeper than `MAX_SCHEMA_DEPTH`
+        (with the path), or neither an object nor a boolean.
     """
     if not isinstance(schema, (str, bool)):
         try:
             schema = json.dumps(schema, allow_nan=False)
         except (TypeError, ValueError) as e:
             raise GrammarError(f"json_schema is not JSON-serialisable: {e}", PARAM) from e
+        except RecursionError:
+            raise GrammarError(f"json_schema nests deeper than the limit of {MAX_SCHEMA_DEPTH} levels", PARAM) from None
     if isinstance(schema, str):
         if len(schema) > MAX_SCHEMA_CHARS:
             raise GrammarError(
@@ -70,13 +78,30 @@ def load_schema(schema: Any) -> Any:
             ) from e
         except ValueError as e:
             raise GrammarError(f"json_schema is not valid JSON: {e}", PARAM) from e
+        except RecursionError:  # the decoder recurses per level
+            raise GrammarError(f"json_schema nests deeper than the limit of {MAX_SCHEMA_DEPTH} levels", PARAM) from None
     else:
         value = schema
+    _check_depth(value)
     if not isinstance(value, (dict, bool)):
         raise GrammarError(
             f"json_schema must be a JSON object or a boolean, got {type(value).__name__}", PARAM
         )
     return value
+
+
+def _check_depth(value: Any) -> None:
+    """Raise `GrammarError` naming the first place where ``value`` nests deeper than `MAX_SCHEMA_DEPTH`."""
+    stack: list[tuple[Any, list]] = [(value, [])]
+    while stack:
+        node, path = stack.pop()
+        if not isinstance(node, (dict, list)):
+            continue
+        if len(path) >= MAX_SCHEMA_DEPTH:
+            raise GrammarError(f"json_schema nests deeper than the limit of {MAX_SCHEMA_DEPTH} levels, "
+                               f"at {shorten(json_pointer(path), 200)}", PARAM)
+        children = node.items() if isinstance(node, dict) else enumerate(node)
+        stack.extend((child, [*path, key]) for key, child in children)
 
 
 def strict_json_loads(text: str) -> Any:

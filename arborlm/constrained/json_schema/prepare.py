@@ -10,17 +10,18 @@ against the user's schema by `validate_json_output`.
 from __future__ import annotations
 
 import json
+import traceback
 from dataclasses import dataclass
 
 from jsonschema import validators as js_validators
 
-from arborlm.constrained.keys import GrammarError
 from arborlm.constrained.json_schema.lower import lower_document
 from arborlm.constrained.json_schema.nodes import PARAM, Problem, first_of_each
 from arborlm.constrained.json_schema.normalise import Normaliser
-from arborlm.constrained.json_schema.parse import dialect_of, load_schema, validator_class
+from arborlm.constrained.json_schema.parse import dialect_of, load_schema, shorten, validator_class
 from arborlm.constrained.json_schema.policy import XGRAMMAR_POLICY, SchemaForm, SchemaPolicy
 from arborlm.constrained.json_schema.regex_budget import PREPARE_REGEX_BUDGET_S, RegexBudget
+from arborlm.constrained.keys import GrammarError
 
 # Most refused keywords named in one error message.
 MAX_NAMED_PROBLEMS = 8
@@ -86,14 +87,25 @@ def prepare_json_schema(
         uses keywords the grammar cannot enforce (each named with its JSON
         pointer), or matching its patterns outlives ``regex_budget_s``
         (`PatternTimeout`, naming the pattern). When lenient: what
-        ``policy.relax`` still refuses.
+        ``policy.relax`` still refuses. Whatever the schema: its references
+        nest or recurse further than the rewrite can follow (naming where).
     """
+    try:
+        return _prepare(schema, lenient, policy, RegexBudget(regex_budget_s))
+    except RecursionError as e:
+        # The phases recurse per level of the schema and per unfolded reference; the depth
+        # of the JSON is bounded (MAX_SCHEMA_DEPTH), chains of references are not.
+        raise GrammarError(_too_deep_message(e), PARAM) from None
+
+
+def _prepare(schema: str | dict | bool, lenient: bool, policy: SchemaPolicy, budget: RegexBudget) -> PreparedSchema:
+    """`prepare_json_schema`'s work, which may raise `RecursionError`."""
     raw = load_schema(schema)
     cls = validator_class(raw)
     original = json.dumps(raw, sort_keys=True)
     if raw is False:
         raise GrammarError("json_schema is `false`, which accepts no value", PARAM)
-    text, problems = _rewrite(raw, cls, policy.form, RegexBudget(regex_budget_s))
+    text, problems = _rewrite(raw, cls, policy.form, budget)
     if problems and not lenient:
         raise GrammarError(_refusal_message(problems), PARAM)
     dropped = tuple(f"{keyword} at {path or '/'}" for keyword, path, _ in problems)
@@ -120,6 +132,19 @@ def _rewrite(raw: dict | bool, cls: type, form: SchemaForm, budget: RegexBudget)
     # Merges made while lowering record their problems with phase A's, which come first.
     problems = first_of_each(normaliser.problems.items + lowered.problems)
     return json.dumps(lowered.doc), problems
+
+
+def _too_deep_message(error: RecursionError) -> str:
+    """The refusal of a schema whose preparation ran out of stack, naming the deepest schema path reached.
+
+    The phases' functions take the JSON pointer they work at as ``path``; the
+    deepest frame that has one says where the rewrite gave up.
+    """
+    paths = [frame.f_locals.get("path") for frame, _ in traceback.walk_tb(error.__traceback__)]
+    paths = [p for p in paths if isinstance(p, str)]
+    where = f" (it gave up at {shorten(paths[-1] or '/', 200)})" if paths else ""
+    return ("json_schema: its references nest or recurse further than the schema rewrite can follow"
+            f"{where}; write the recursion through fewer combined $refs")
 
 
 def _refusal_message(problems: list[Problem]) -> str:

@@ -19,9 +19,16 @@ from typing import TYPE_CHECKING
 from jsonschema import exceptions as js_exceptions
 from jsonschema import validators as js_validators
 
-from arborlm.constrained.json_schema.budgeted_validator import budgeted_validator_class, without_dialects
+from arborlm.constrained.json_schema.budgeted_validator import (
+    budgeted_validator_class,
+    without_dialects,
+)
 from arborlm.constrained.json_schema.parse import json_pointer, shorten, strict_json_loads
-from arborlm.constrained.json_schema.regex_budget import OUTPUT_REGEX_BUDGET_S, PatternTimeout, RegexBudget
+from arborlm.constrained.json_schema.regex_budget import (
+    OUTPUT_REGEX_BUDGET_S,
+    PatternTimeout,
+    RegexBudget,
+)
 
 if TYPE_CHECKING:
     from arborlm.constrained.json_schema.prepare import PreparedSchema
