@@ -43,6 +43,8 @@ class JsonCallSyntax:
     close_group: regex that ends a list of calls (with `next_call`).
     separator: regex of the text between two stand-alone calls that is not content
         (whitespace, and the format's separator such as Llama's ``;``).
+    separator_markup: regex of the markup at the start of that text (Llama's ``;``), dropped
+        when content follows it.
     """
 
     triggers: tuple[str, ...]
@@ -52,6 +54,7 @@ class JsonCallSyntax:
     next_call: str | None = None
     close_group: str | None = None
     separator: str = r"\s*"
+    separator_markup: str | None = None
 
     @cached_property
     def first_re(self) -> regex.Pattern:
@@ -72,6 +75,10 @@ class JsonCallSyntax:
     @cached_property
     def separator_re(self) -> regex.Pattern:
         return regex.compile(self.separator)
+
+    @cached_property
+    def separator_markup_re(self) -> regex.Pattern | None:
+        return None if self.separator_markup is None else regex.compile(self.separator_markup)
 
 
 class _Match:
@@ -268,6 +275,10 @@ class JsonCallParser(ToolCallParser):
         self._segment_sent = self._segment_sent or bool(text)
 
     def _emit_text(self, events: list[Event], text: str) -> None:
+        markup = self.syntax.separator_markup_re
+        if markup is not None and self.calls and not self._segment_sent and (m := markup.match(text)):
+            text = text[m.end():]  # the separator's markup before content that follows a call
+            self._segment_sent = True
         super()._emit_text(events, text)
         if text:
             self._segment_sent = True

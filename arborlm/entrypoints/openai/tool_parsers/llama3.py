@@ -38,6 +38,7 @@ SYNTAX = JsonCallSyntax(
     header=r'\s*\{\s*"name"\s*:\s*"(?P<name>[^"\\]+)"\s*,\s*"(?:parameters|arguments)"\s*:\s*',
     close=r"\s*\}",
     separator=r"\s*(?:;\s*)?",
+    separator_markup=r"\s*;",
 )
 
 
