@@ -6,18 +6,26 @@ prefill, then alternates blocks of decode steps between them so that the
 machine's drift hits both alike. Prints a markdown table: the median and minimum
 decode step (ms), the bytes of the weights held in memory, and the ratios.
 
-    .venv/bin/python benchmarks/bench_quant.py --batch-sizes 1 8
+    .venv/bin/python benchmarks/bench_quant.py --batch-sizes 1 8 [--threads 1]
+
+`--threads` pins torch's and OpenMP's thread counts (the model runner takes every
+core otherwise): on a shared machine one thread per step times steadier.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--threads" in sys.argv:  # OpenMP reads it once, when the kernels' library loads
+    os.environ["OMP_NUM_THREADS"] = sys.argv[sys.argv.index("--threads") + 1]
+
+import torch  # noqa: E402
 
 from arborlm.runtime.config import ServerArgs  # noqa: E402
 from arborlm.runtime.io_struct import TokenizedGenerateReqInput  # noqa: E402
@@ -61,6 +69,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="decode steps before timing")
     parser.add_argument("--rounds", type=int, default=15, help="blocks of decode steps per variant")
     parser.add_argument("--block", type=int, default=4, help="decode steps per block")
+    parser.add_argument("--threads", type=int, default=None, help="torch and OpenMP threads; default every core")
     args = parser.parse_args()
 
     print("| batch | quantization | weights (MB) | decode step, median (ms) | decode step, min (ms) |")
@@ -68,6 +77,8 @@ def main() -> None:
     ratios = []
     for batch_size in args.batch_sizes:
         schedulers = {name: make_scheduler(name, batch_size, args) for name in VARIANTS}
+        if args.threads is not None:  # after the model runners, which set every core
+            torch.set_num_threads(args.threads)
         step_ms = decode_steps_ms(schedulers, args)
         median = {name: statistics.median(times) for name, times in step_ms.items()}
         for name, sched in schedulers.items():
