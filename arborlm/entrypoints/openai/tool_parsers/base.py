@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -98,9 +98,10 @@ class ToolCallParser(ABC):
     result so far; a parser is used for one output and is not thread-safe.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, call_id: Callable[[], str] = new_call_id) -> None:
         self.calls: list[ParsedCall] = []
         self._content: list[str] = []
+        self._call_id = call_id
 
     @property
     def content(self) -> str | None:
@@ -124,7 +125,7 @@ class ToolCallParser(ABC):
             events.append(TextDelta(text))
 
     def _open_call(self, events: list[Event], name: str) -> ParsedCall:
-        call = ParsedCall(name)
+        call = ParsedCall(name, id=self._call_id())
         self.calls.append(call)
         events.append(CallStart(len(self.calls) - 1, call.id, name))
         return call

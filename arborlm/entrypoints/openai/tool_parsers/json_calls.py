@@ -19,13 +19,19 @@ before it is taken, so whitespace goes to the same side whatever the chunking.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 import regex
 
-from arborlm.entrypoints.openai.tool_parsers.base import Event, ToolCallParser, json_tag, partial_marker_len
+from arborlm.entrypoints.openai.tool_parsers.base import (
+    Event,
+    ToolCallParser,
+    json_tag,
+    new_call_id,
+    partial_marker_len,
+)
 
 # A header not matched within this many characters is not a header (bounds the held-back text).
 MAX_HEADER_CHARS = 256
@@ -155,8 +161,8 @@ class JsonCallParser(ToolCallParser):
 
     _TEXT, _OPEN, _ARGS, _CLOSE, _NEXT = range(5)
 
-    def __init__(self, syntax: JsonCallSyntax):
-        super().__init__()
+    def __init__(self, syntax: JsonCallSyntax, call_id: Callable[[], str] = new_call_id):
+        super().__init__(call_id)
         self.syntax = syntax
         self._buffer = ""
         self._mode = self._TEXT

@@ -2,18 +2,20 @@
 
     [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": ...}]
 
-The format of Mistral 7B Instruct v0.3 and Mixtral 8x22B Instruct (their
+The format of Mistral 7B Instruct v0.3 and Mixtral 8x22B Instruct: their
 templates render `tools` in `[AVAILABLE_TOOLS]` and past calls as this list,
-with `"id"` keys the parser tolerates after the arguments... and before them
-not: the grammar writes name, then arguments). One list per answer: `auto` is
-free text until `[TOOL_CALLS]`, then the list, then the end; several calls are
-items of the list.
+each item with an `"id"` after its arguments (the parser skips it). One list
+per answer: `auto` is free text until `[TOOL_CALLS]`, then the list, then the
+end; several calls are items of the list. Call ids are 9 letters and digits,
+since these templates refuse any other length in the history they are sent back in.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+import secrets
+import string
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -35,6 +37,11 @@ SYNTAX = JsonCallSyntax(
     next_call=r"\s*,",
     close_group=r"\s*\]",
 )
+
+
+def mistral_call_id() -> str:
+    """A call id the Mistral templates accept: 9 letters and digits."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
 def call_begin(name: str) -> str:
@@ -68,7 +75,7 @@ class MistralFormat(ToolCallFormat):
 
     def new_parser(self, names: Sequence[str]) -> ToolCallParser:
         """See `ToolCallFormat.new_parser`."""
-        return JsonCallParser(SYNTAX)
+        return JsonCallParser(SYNTAX, call_id=mistral_call_id)
 
     def history_text(self, calls: Sequence[tuple[str, Any]]) -> str:
         """The calls as one `[TOOL_CALLS]` list."""
