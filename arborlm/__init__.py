@@ -1,8 +1,8 @@
 """arborlm: structured generation and agent serving with a radix-tree KV cache.
 
 The public API mirrors SGLang's, so `import arborlm as sgl` runs SGLang programs:
-`function`, `gen`, `gen_int`, `gen_string`, `select`, `system`, `user`,
-`assistant` (and their `_begin`/`_end` markers), `set_default_backend`,
+`function`, `gen`, `gen_int`, `gen_string`, `select`, `separate_reasoning`,
+`system`, `user`, `assistant` (and their `_begin`/`_end` markers), `set_default_backend`,
 `flush_cache`, `get_server_info`, the choices methods
 (`token_length_normalized`, `greedy_token_selection`,
 `unconditional_likelihood_normalized`), the backends `Engine`,
@@ -23,6 +23,7 @@ from arborlm.frontend_lang.api import (
     get_default_backend,
     get_server_info,
     select,
+    separate_reasoning,
     set_default_backend,
     system,
     system_begin,
@@ -67,6 +68,7 @@ __all__ = [
     "get_server_info",
     "greedy_token_selection",
     "select",
+    "separate_reasoning",
     "set_default_backend",
     "system",
     "system_begin",

@@ -1,12 +1,13 @@
 """Public functions of the DSL, with SGLang's names and signatures.
 
 `import arborlm as sgl` then `@sgl.function`, `sgl.gen`, `sgl.select`,
-`sgl.system/user/assistant`, `sgl.set_default_backend`, `sgl.flush_cache`,
-`sgl.get_server_info` work as in SGLang's frontend (``sglang/lang/api.py``).
+`sgl.system/user/assistant`, `sgl.separate_reasoning`, `sgl.set_default_backend`,
+`sgl.flush_cache`, `sgl.get_server_info` work as in SGLang's frontend (``sglang/lang/api.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -15,6 +16,7 @@ from arborlm.frontend_lang.backend.base_backend import BaseBackend
 from arborlm.frontend_lang.choices import ChoicesSamplingMethod, token_length_normalized
 from arborlm.frontend_lang.ir import (
     SglExpr,
+    SglExprList,
     SglGen,
     SglRoleBegin,
     SglRoleEnd,
@@ -211,6 +213,41 @@ def schema_of(json_schema: Any) -> Any:
     if isinstance(json_schema, type) and hasattr(json_schema, "model_json_schema"):
         return json_schema.model_json_schema()
     return json_schema
+
+
+def separate_reasoning(expr: Any = None, model_type: str | None = None) -> SglExpr:
+    """`expr` whose generations split the model's thinking off (SGLang's `separate_reasoning`).
+
+    After ``s += separate_reasoning(gen("answer"), model_type="qwen3")``, ``s["answer"]``
+    holds what follows the reasoning and ``s["answer_reasoning_content"]`` the reasoning
+    (`entrypoints/openai/reasoning_parser.py`: ``qwen3``, ``deepseek-r1``); the program's
+    text keeps both. Works streamed too (the split is made when the generation ends).
+
+    Raises
+    ------
+    ValueError: `model_type` is not a reasoning parser, or a gen in `expr` has no name.
+    TypeError: `expr` holds no gen.
+    """
+    from arborlm.runtime.config import REASONING_PARSERS
+
+    if model_type not in REASONING_PARSERS:
+        raise ValueError(f"model_type must be one of {REASONING_PARSERS}, got {model_type!r}")
+    marked = _with_reasoning(expr, model_type)
+    if marked is expr:
+        raise TypeError("separate_reasoning needs a gen() (or an expression holding one)")
+    return marked
+
+
+def _with_reasoning(expr: Any, model_type: str) -> Any:
+    """`expr` with every gen in it marked with `model_type` (a new expression; `expr` is unchanged)."""
+    if isinstance(expr, SglGen):
+        if expr.name is None:
+            raise ValueError("separate_reasoning needs a named gen: the reasoning goes to <name>_reasoning_content")
+        return dataclasses.replace(expr, reasoning_parser=model_type)
+    if isinstance(expr, SglExprList):
+        marked = [_with_reasoning(e, model_type) for e in expr.exprs]
+        return expr if all(m is e for m, e in zip(marked, expr.exprs, strict=True)) else SglExprList(marked)
+    return expr
 
 
 def system(expr: Any = None) -> SglExpr:

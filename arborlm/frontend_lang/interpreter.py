@@ -80,6 +80,7 @@ class StreamExecutor:
     def submit(self, expr: SglExpr, where: str | None = None) -> None:
         """Queue `expr`; `where` names the program line that appended it (for error messages)."""
         names = {e.name for e in flatten(expr) if isinstance(e, (SglGen, SglSelect, SglVarScopeEnd))}
+        names |= {e.reasoning_name for e in flatten(expr) if isinstance(e, SglGen) and e.reasoning_parser}
         with self.cond:
             self._pending += 1
             self.done_vars -= names  # a name assigned again is read once the new value is there
@@ -162,7 +163,7 @@ class StreamExecutor:
         if not self.stream:
             text, meta = self.backend.generate(self.text_, sampling, **options)
             self._append(text)
-            self._set_var(expr.name, text, meta)
+            self._set_gen_var(expr, text, meta)
             return
         prompt, pieces, meta = self.text_, [], {}
         for chunk in self.backend.stream(prompt, sampling, **options):
@@ -175,7 +176,19 @@ class StreamExecutor:
                     self.variables[expr.name] = "".join(pieces)
                     self.meta_info[expr.name] = meta
                 self.cond.notify_all()
-        self._set_var(expr.name, "".join(pieces), meta)
+        self._set_gen_var(expr, "".join(pieces), meta)
+
+    def _set_gen_var(self, expr: SglGen, text: str, meta: dict[str, Any] | None) -> None:
+        """The generated text under the gen's name; after `separate_reasoning`, the answer there and
+        the thinking under `<name>_reasoning_content` (set first: a reader of the name sees both)."""
+        if expr.reasoning_parser is None:
+            self._set_var(expr.name, text, meta)
+            return
+        from arborlm.entrypoints.openai.reasoning_parser import output_reasoning
+
+        reasoning, content = output_reasoning(expr.reasoning_parser, text)
+        self._set_var(expr.reasoning_name, reasoning, None)
+        self._set_var(expr.name, content, meta)
 
     def _chat_messages(self) -> list[dict[str, str]]:
         """The finished messages; refuses a partly written assistant turn (a chat API cannot continue one)."""

@@ -46,11 +46,19 @@ class SglGen(SglExpr):
     sampling: the `SamplingParams` fields given to `gen` (None fields omitted),
     e.g. {"max_new_tokens": 64, "stop": ["\\n"], "temperature": 0}.
     logprobs: `return_logprob`, `logprob_start_len`, `top_logprobs_num` when given.
+    reasoning_parser: set by `separate_reasoning`: the variable holds the answer and
+        `<name>_reasoning_content` the thinking (the program's text keeps both).
     """
 
     name: str | None
     sampling: dict[str, Any] = field(default_factory=dict)
     logprobs: dict[str, Any] = field(default_factory=dict)
+    reasoning_parser: str | None = None
+
+    @property
+    def reasoning_name(self) -> str:
+        """The variable of the reasoning split off by `separate_reasoning` (SGLang's name for it)."""
+        return f"{self.name}_reasoning_content"
 
 
 @dataclass

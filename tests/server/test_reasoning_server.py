@@ -94,6 +94,12 @@ def test_forced_tool_call_after_the_reasoning(client):
     assert _streamed(client, **kwargs) == ("Let me think", "", [("lookup", call.function.arguments)], "tool_calls")
 
 
+def test_separate_reasoning_false_keeps_the_thinking_in_content(client):
+    message = client.chat.completions.create(**GREEDY, extra_body={"separate_reasoning": False}).choices[0].message
+    assert message.content == "<think>Let me think</think>\n\n The answer"
+    assert getattr(message, "reasoning_content", None) is None
+
+
 def test_reasoning_cut_by_max_tokens(client):
     out = client.chat.completions.create(**{**GREEDY, "max_tokens": 3})
     message = out.choices[0].message

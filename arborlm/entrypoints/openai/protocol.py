@@ -202,7 +202,9 @@ class ChatCompletionRequest(SamplingRequest):
     without either, the answer may run to the end of the context.
     `continue_final_message` continues a final assistant message (assistant
     prefill) instead of opening a new assistant turn. `tools`, `tool_choice`
-    and `parallel_tool_calls` are served by `tool_calls.py`.
+    and `parallel_tool_calls` are served by `tool_calls.py`. With
+    `--reasoning-parser`, `separate_reasoning: false` (SGLang's field) leaves the
+    thinking in `content`.
     """
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -215,6 +217,7 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool | None = None
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:

@@ -185,3 +185,20 @@ def split_reasoning(mode: ReasoningMode, text: str) -> ReasoningParser:
     parser.feed(text)
     parser.finish()
     return parser
+
+
+def output_reasoning(name: str, text: str) -> tuple[str, str]:
+    """(reasoning, content) of a whole output under the parser `name`, with no prompt to read
+    (the DSL's `separate_reasoning`): qwen3 looks for `<think>` at the start, deepseek-r1 starts
+    inside; the reasoning is "" when there is none, as in SGLang.
+
+    Raises
+    ------
+    ValueError: `name` is not a reasoning parser.
+    """
+    if name not in SYNTAXES:
+        raise ValueError(f"unknown reasoning parser {name!r}; expected one of {REASONING_PARSERS}")
+    syntax = SYNTAXES[name]
+    parser = split_reasoning(ReasoningMode(syntax, inside=syntax.starts_inside), text)
+    return parser.reasoning or "", parser.content
+

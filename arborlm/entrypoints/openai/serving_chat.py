@@ -140,8 +140,9 @@ async def chat_completions(request: Request) -> Response:
         for i in range(req.n)
     ]
     call = ChatCall(new_id("chatcmpl", req.rid), now_s(), state.model_name, req, TokenText(state.tokenizer), plan,
-                    report_cached=state.server_args.server.enable_cache_report, reasoning=mode,
-                    reasoning_parser=chat.reasoning_parser)
+                    report_cached=state.server_args.server.enable_cache_report,
+                    reasoning=mode if req.separate_reasoning else None,
+                    reasoning_parser=chat.reasoning_parser if req.separate_reasoning else None)
     with openai_errors(field_names(req)):
         built = await build_batch(manager, reqs, OPENAI_RULES)
         if req.stream:
