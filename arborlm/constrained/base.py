@@ -19,6 +19,7 @@ Design after SGLang's ``sglang/srt/constrained/base_grammar_backend.py``.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -76,8 +77,13 @@ class CompiledGrammar(abc.ABC):
     """A grammar compiled against one tokenizer; cheap to make matchers from."""
 
     @abc.abstractmethod
-    def new_matcher(self) -> GrammarMatcher:
-        """A matcher at the grammar's start state."""
+    def new_matcher(self, stop_token_ids: Sequence[int] = ()) -> GrammarMatcher:
+        """A matcher at the grammar's start state.
+
+        stop_token_ids: the request's own stop ids. Like the backend's EOS ids
+        they are allowed only where the grammar may end (whatever text they
+        stand for), and accepting one there ends the grammar as an EOS would.
+        """
 
 
 class GrammarBackend(abc.ABC):

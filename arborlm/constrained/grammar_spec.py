@@ -18,12 +18,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from arborlm.constrained.keys import ANY_JSON, GrammarError, GrammarKey
 from arborlm.constrained.json_schema import (
     PreparedSchema,
     prepare_json_schema,
     validate_json_output,
 )
+from arborlm.constrained.keys import ANY_JSON, GrammarError, GrammarKey
+from arborlm.constrained.regex_constraint import validate_regex_output
 from arborlm.constrained.registry import backend_class
 from arborlm.sampling_params import SamplingParams
 
@@ -47,7 +48,7 @@ class GrammarSpec:
     dropped: tuple[str, ...] = ()
 
     def validate_output(self, text: str) -> str | None:
-        """None when ``text`` satisfies the user's schema (or there is none), else why not.
+        """None when ``text`` satisfies the user's schema or regex (or there is none), else why not.
 
         ``text`` is an output the grammar ended, without the EOS's text; the
         front does not validate outputs cut by ``max_new_tokens`` or a user stop.
@@ -58,6 +59,8 @@ class GrammarSpec:
             except ValueError as e:
                 return f"output is not JSON: {e}"
             return None
+        if self.key.kind == "regex":
+            return validate_regex_output(self.key.text, text)
         if self.schema is None:
             return None
         return validate_json_output(self.schema, text)

@@ -13,8 +13,9 @@ Four things are done here rather than by outlines-core (version 0.2.14):
   (``Vocabulary.from_pretrained`` would download it): every token becomes the
   bytes it stands for (GPT-2 byte-level tokens such as ``"Ġhello"`` →
   ``b" hello"``; SentencePiece ``"▁"`` → ``b" "`` and ``"<0x0A>"`` → ``b"\\n"``).
-  Special tokens are left out; the model's EOS ids are allowed by the matcher
-  itself, in final states only.
+  Special tokens (`vocab.special_token_ids`) are left out, so never allowed;
+  the model's EOS ids are allowed by the matcher itself, in final states only,
+  and so are a request's own ``stop_token_ids``.
 - The regex is compiled as ``(?:R)`` followed by an end mark (U+10FFFF, read by
   a token of its own). outlines-core 0.2.14 drops every token that ends one
   byte after a point where R already matched (its DFA reports matches one byte
@@ -26,7 +27,8 @@ Four things are done here rather than by outlines-core (version 0.2.14):
   U+10FFFF, the supplementary private-use plane B) are left out so that no
   sampled text can spell the mark.
 - ``\\d`` and ``\\w`` are ASCII, as in JSON Schema (ECMAScript) and xgrammar;
-  Rust's regex would take the digits and letters of every script.
+  Rust's regex would take the digits and letters of every script. In a
+  ``regex`` constraint ``.`` is Python's (no newline, `regex_constraint`).
 - Schemas that outlines-core would enforce only in part are refused with a
   `GrammarError`: a recursive ``$ref`` (outlines unrolls it to a fixed depth),
   a free-form JSON value (a regex nested to a fixed depth, minutes to
@@ -43,6 +45,7 @@ Four things are done here rather than by outlines-core (version 0.2.14):
 
 JSON whitespace is `JSON_WHITESPACE` (at most one space per gap), so that a weak
 model cannot stall in whitespace; xgrammar's ``", "`` / ``": "`` output fits it.
+Number literals have bounded digits (`number_bounds`), as on xgrammar.
 
 After SGLang's ``sglang/srt/constrained/outlines_backend.py``; the API is
 outlines-core's (``Vocabulary``, ``Index``, ``Guide``).
@@ -53,10 +56,11 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Sequence
 
 import outlines_core
 import torch
-from outlines_core.json_schema import build_regex_from_schema
+from outlines_core.json_schema import INTEGER, NUMBER, build_regex_from_schema
 
 from arborlm.constrained.base import (
     ANY_JSON,
@@ -67,6 +71,9 @@ from arborlm.constrained.base import (
     GrammarMatcher,
 )
 from arborlm.constrained.json_schema import LENIENT_MARK, OUTLINES_POLICY, check_for_outlines
+from arborlm.constrained.number_bounds import bound_regex_digits
+from arborlm.constrained.regex_constraint import RegexDialect, dot_as_class
+from arborlm.constrained.vocab import special_token_ids
 
 # What JSON may put between its tokens (outlines-core's ``whitespace_pattern``).
 JSON_WHITESPACE = r"[ ]?"
@@ -90,20 +97,25 @@ class OutlinesMatcher(GrammarMatcher):
 
     The ``Guide`` holds the DFA state and the last `MAX_ROLLBACK_TOKENS` states
     before it; an accepted EOS is tracked here (outlines-core cannot advance by EOS).
+    ``stop_token_ids``: the request's own stop ids, which end the grammar as
+    an EOS does: allowed in final states only, and then whatever text they
+    stand for.
     """
 
-    def __init__(self, grammar: OutlinesGrammar):
+    def __init__(self, grammar: OutlinesGrammar, stop_token_ids: Sequence[int] = ()):
         self._grammar = grammar
         self._guide = outlines_core.Guide(grammar.index, max_rollback=MAX_ROLLBACK_TOKENS)
         self._terminated = False  # an EOS was accepted
+        self._stop_ids = grammar.eos_token_ids | frozenset(stop_token_ids)
 
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, row: int) -> None:
         """Write the allowed tokens of the current state into ``vocab_mask[row]``.
 
         vocab_mask: (batch, ceil(vocab_size / 32)) int32, contiguous, on the CPU;
         bit ``j % 32`` of word ``j // 32`` is set when token ``j`` is allowed.
-        EOS is allowed only in final states; ids the tokenizer lacks (up to the
-        model's vocab_size) never are. Once terminated only EOS is allowed.
+        EOS (and a request stop id) is allowed only in final states; ids the
+        tokenizer lacks (up to the model's vocab_size) and special tokens never
+        are. Once terminated only EOS is allowed.
         """
         grammar = self._grammar
         assert vocab_mask.dtype == torch.int32 and vocab_mask.device.type == "cpu" and vocab_mask.is_contiguous()
@@ -116,7 +128,7 @@ class OutlinesMatcher(GrammarMatcher):
         # Zeroes the whole row, then sets the bit of every token with a transition (end mark included).
         self._guide.write_mask_into(mask_row.data_ptr(), mask_row.numel(), mask_row.element_size())
         _set_bits(mask_row, (grammar.end_mark_id,), False)
-        _set_bits(mask_row, grammar.eos_token_ids, grammar.is_final(self._guide.get_state()))
+        _set_bits(mask_row, self._stop_ids, grammar.is_final(self._guide.get_state()))
 
     def accept_token(self, token_id: int) -> bool:
         """Advance by ``token_id``; False (state unchanged) when the grammar rejects it or has terminated."""
@@ -124,7 +136,7 @@ class OutlinesMatcher(GrammarMatcher):
         if self._terminated or not 0 <= token_id < grammar.vocab_size or token_id == grammar.end_mark_id:
             return False
         state = self._guide.get_state()
-        if token_id in grammar.eos_token_ids:
+        if token_id in self._stop_ids:
             self._terminated = grammar.is_final(state)
             return self._terminated
         if grammar.index.get_next_state(state, token_id) is None:
@@ -195,8 +207,9 @@ class OutlinesGrammar(CompiledGrammar):
         self._token_ids_by_bytes = backend.token_ids_by_bytes
         self._forced_steps: dict[int, tuple[bytes, int] | None] = {}
 
-    def new_matcher(self) -> OutlinesMatcher:
-        return OutlinesMatcher(self)
+    def new_matcher(self, stop_token_ids: Sequence[int] = ()) -> OutlinesMatcher:
+        """A matcher at the start; ``stop_token_ids``: the request's own stop ids (see `OutlinesMatcher`)."""
+        return OutlinesMatcher(self, stop_token_ids)
 
     def is_final(self, state: int) -> bool:
         """True when the text so far is in the language: the end mark leads to a full match.
@@ -240,7 +253,9 @@ class OutlinesBackend(GrammarBackend):
         Rows of the model's logits (may exceed ``len(tokenizer)``; the extra
         ids are never allowed).
     eos_token_ids:
-        The only tokens allowed once the grammar is complete (at least one).
+        Every id that ends a request (the model config's, the generation
+        config's and the tokenizer's EOS; at least one): allowed only where the
+        grammar is complete, and the only tokens allowed once it has ended.
 
     Raises
     ------
@@ -320,13 +335,17 @@ class OutlinesBackend(GrammarBackend):
 def _regex_of(key: GrammarKey) -> str:
     """The regex ``key`` stands for (a full match; ``^``/``$`` around a regex are dropped).
 
+    A ``regex``'s ``.`` is Python's (`dot_as_class`); a schema's number
+    literals have bounded digits (`bound_regex_digits`).
+
     Raises
     ------
     GrammarError
         The schema is not JSON, is refused by `check_for_outlines`, or outlines-core cannot convert it.
     """
     if key.kind == "regex":
-        return re.sub(r"(?<!\\)((?:\\\\)*)\$\Z", r"\1", key.text.removeprefix("^"))
+        text = dot_as_class(key.text, RegexDialect.PYTHON)
+        return re.sub(r"(?<!\\)((?:\\\\)*)\$\Z", r"\1", text.removeprefix("^"))
     text = "{}" if key.text == ANY_JSON else key.text
     try:
         schema = json.loads(text)
@@ -339,9 +358,10 @@ def _regex_of(key: GrammarKey) -> str:
     if lenient:
         text = json.dumps(schema)
     try:
-        return build_regex_from_schema(text, whitespace_pattern=JSON_WHITESPACE)
+        regex = build_regex_from_schema(text, whitespace_pattern=JSON_WHITESPACE)
     except (ValueError, TypeError) as e:
         raise GrammarError(f"outlines-core cannot enforce this JSON schema: {_first_line(e)}", key.param) from e
+    return bound_regex_digits(regex, INTEGER, NUMBER)
 
 
 def _build_index(key: GrammarKey, regex: str, vocabulary: outlines_core.Vocabulary) -> outlines_core.Index:
@@ -393,12 +413,10 @@ def _token_bytes(tokenizer, vocab_size: int) -> list[bytes | None]:
     character (`_byte_level_decoder`); SentencePiece writes a space as ``"▁"``
     and a raw byte as ``"<0xAB>"``; added non-special tokens are their text.
     """
-    special = set(tokenizer.all_special_ids)
+    special = special_token_ids(tokenizer, vocab_size)
     added = {}
     for token_id, token in getattr(tokenizer, "added_tokens_decoder", {}).items():
-        if token.special:
-            special.add(token_id)
-        else:
+        if token_id not in special:
             added[token_id] = token.content.encode()
     decode = _token_decoder(tokenizer)
     table: list[bytes | None] = [None] * vocab_size

@@ -12,7 +12,17 @@ lists what xgrammar 0.2.9 enforces and ignores).
 JSON is generated with fixed separators (``", "`` and ``": "``, one line, as
 ``json.dumps`` writes it) so that a weak model cannot stall in free whitespace;
 JSON inside structural tags gets at most `TAG_MAX_WHITESPACE` whitespace
-characters per gap unless the tag says otherwise.
+characters per gap unless the tag says otherwise. Number literals have
+bounded digits (`number_bounds`: what an int64 or a double needs), so that a
+weak model cannot write digits until ``max_new_tokens``.
+
+Special tokens are never text (`build_tokenizer_info`): xgrammar reads
+``<|endoftext|>`` as 13 characters a JSON string may hold, and a model pushed
+towards it (a ``logit_bias``) would fill the string with tokens the
+detokenizer drops. Every EOS id is a stop token, allowed only where the
+grammar may end; a request's own ``stop_token_ids`` are held back until then
+too (`XGrammarMatcher`). In a ``regex``, ``.`` does not match a newline, as
+in Python's ``re`` (`regex_constraint`).
 
 A grammar that reaches a rule deriving no finite string (``root ::= "a" root``)
 is refused when compiled: its output could never end, and xgrammar's
@@ -29,6 +39,7 @@ import json
 import logging
 import os
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -44,6 +55,9 @@ from arborlm.constrained.base import (
 )
 from arborlm.constrained.grammar_analysis import UnknownGrammarSyntax, unproductive_reachable_rules
 from arborlm.constrained.json_schema import XGRAMMAR_POLICY
+from arborlm.constrained.number_bounds import bound_ebnf_digits
+from arborlm.constrained.regex_constraint import RegexDialect, dot_as_class
+from arborlm.constrained.vocab import special_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +96,18 @@ class XGrammarMatcher(GrammarMatcher):
     (its Earley parser keeps the whole history), so none is passed.
     ``jump_forward=False`` (a grammar `grammar_analysis` could not read) makes
     `find_jump_forward_string` always return "".
+
+    ``stop_token_ids``: the request's own stop ids. Those that are not the
+    grammar's stop tokens are allowed exactly where an EOS is (where the
+    grammar may end, and then whatever text they stand for), and accepting
+    one ends the grammar as its EOS would.
     """
 
-    def __init__(self, matcher: xgr.GrammarMatcher, jump_forward: bool = True):
+    def __init__(self, matcher: xgr.GrammarMatcher, jump_forward: bool = True, stop_token_ids: Sequence[int] = ()):
         self._matcher = matcher
         self._jump_forward = jump_forward
+        self._eos_id = matcher.stop_token_ids[0]
+        self._request_stop_ids = tuple(sorted(set(stop_token_ids) - set(matcher.stop_token_ids)))
 
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, row: int) -> None:
         """Write the allowed tokens into ``vocab_mask[row]``.
@@ -99,11 +120,20 @@ class XGrammarMatcher(GrammarMatcher):
             _allow_only(vocab_mask[row], self._matcher.stop_token_ids)
             return
         self._matcher.fill_next_token_bitmask(vocab_mask, row)
+        if self._request_stop_ids:
+            mask_row = vocab_mask[row]
+            _set_bits(mask_row, self._request_stop_ids, _is_allowed(mask_row, self._eos_id))
 
     def accept_token(self, token_id: int) -> bool:
-        """Advance by ``token_id``; False (state unchanged) when rejected or already terminated."""
+        """Advance by ``token_id``; False (state unchanged) when rejected or already terminated.
+
+        A request stop id is taken as the grammar's EOS: accepted (and the
+        grammar terminated) only where the grammar may end.
+        """
         if self._matcher.is_terminated():
             return False  # xgrammar would log a warning for every such call
+        if token_id in self._request_stop_ids:
+            token_id = self._eos_id
         return self._matcher.accept_token(token_id)
 
     def rollback(self, num_tokens: int) -> None:
@@ -138,8 +168,9 @@ class XGrammarCompiledGrammar(CompiledGrammar):
         self.compiled = compiled
         self.jump_forward = jump_forward
 
-    def new_matcher(self) -> XGrammarMatcher:
-        return XGrammarMatcher(xgr.GrammarMatcher(self.compiled), self.jump_forward)
+    def new_matcher(self, stop_token_ids: Sequence[int] = ()) -> XGrammarMatcher:
+        """A matcher at the start; ``stop_token_ids``: the request's own stop ids (see `XGrammarMatcher`)."""
+        return XGrammarMatcher(xgr.GrammarMatcher(self.compiled), self.jump_forward, stop_token_ids)
 
     @property
     def memory_size_bytes(self) -> int:
@@ -157,7 +188,9 @@ class XGrammarBackend(GrammarBackend):
         Rows of the model's logits (may exceed ``len(tokenizer)``; the extra
         ids are never allowed).
     eos_token_ids:
-        The only tokens allowed once a grammar is complete.
+        Every id that ends a request (the model config's, the generation
+        config's and the tokenizer's EOS): xgrammar's stop tokens, allowed
+        only where the grammar may end and the only tokens allowed once it has.
     max_threads:
         Threads xgrammar uses inside one compile (token-mask precomputation).
     """
@@ -172,9 +205,7 @@ class XGrammarBackend(GrammarBackend):
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], *, max_threads: int | None = None):
         self.vocab_size = vocab_size
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids)
-        )
+        self.tokenizer_info = build_tokenizer_info(tokenizer, vocab_size, eos_token_ids)
         # GrammarManager caches compiled grammars (bounded); xgrammar's own cache
         # would be a second, unbounded one.
         self.compiler = xgr.GrammarCompiler(
@@ -204,6 +235,8 @@ class XGrammarBackend(GrammarBackend):
         if key.kind not in self.kinds:
             self.check(key)  # raises the unsupported-kind error
         grammar = build_grammar(key)
+        if key.kind in ("json_schema", "json_object"):
+            grammar = bound_number_digits(grammar)
         jump_forward = can_always_finish(key, grammar)
         try:
             return XGrammarCompiledGrammar(self.compiler.compile_grammar(grammar), jump_forward)
@@ -234,6 +267,57 @@ class XGrammarBackend(GrammarBackend):
         """The grammar of a `compile_serialized` payload, bound to this backend's tokenizer info."""
         text, jump_forward = payload
         return XGrammarCompiledGrammar(xgr.CompiledGrammar.deserialize_json(text, self.tokenizer_info), jump_forward)
+
+
+def build_tokenizer_info(tokenizer, vocab_size: int, eos_token_ids) -> xgr.TokenizerInfo:
+    """xgrammar's view of ``tokenizer``, in which no special token is text.
+
+    xgrammar detects the vocabulary's encoding (``TokenizerInfo.from_huggingface``)
+    but reads special tokens as the text they are spelled with, so
+    ``<|endoftext|>`` could fill a JSON string. Here the decoded vocabulary
+    is passed on (as raw bytes) with the special tokens that are not EOS ids
+    blanked: xgrammar treats an empty token as special and never allows it.
+
+    Parameters
+    ----------
+    tokenizer:
+        The Hugging Face tokenizer.
+    vocab_size:
+        Rows of the model's logits (ids the tokenizer lacks are empty, so never allowed).
+    eos_token_ids:
+        The stop tokens (at least one).
+
+    Raises
+    ------
+    ValueError
+        ``eos_token_ids`` is empty (xgrammar's own check).
+    """
+    stop_ids = sorted(set(eos_token_ids))
+    detected = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids)
+    vocab = list(detected.decoded_vocab[:vocab_size])
+    vocab += [b""] * (vocab_size - len(vocab))
+    for token_id in special_token_ids(tokenizer, vocab_size) - set(stop_ids):
+        vocab[token_id] = b""
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop_ids)
+
+
+def bound_number_digits(grammar: xgr.Grammar) -> xgr.Grammar:
+    """``grammar`` (a JSON grammar) with its number literals' digits bounded (`number_bounds`).
+
+    The printed grammar is rewritten and parsed again (about a millisecond
+    per 10 KB of grammar). Should xgrammar not read back what it printed,
+    the unbounded grammar is kept and a warning logged.
+    """
+    text = str(grammar)
+    bounded = bound_ebnf_digits(text)
+    if bounded == text:
+        return grammar
+    try:
+        return xgr.Grammar.from_ebnf(bounded, root_rule_name="root")
+    except Exception as e:  # xgrammar raises RuntimeError with a C++ log prefix
+        logger.warning("number digits left unbounded: xgrammar cannot read its grammar back (%s)",
+                       _first_line(e))
+        return grammar
 
 
 def can_always_finish(key: GrammarKey, grammar: xgr.Grammar) -> bool:
@@ -276,7 +360,8 @@ def build_grammar(key: GrammarKey) -> xgr.Grammar:
     ``strict_mode=True`` (no properties or items beyond the schema's);
     ``"$$ANY$$"`` is any JSON value. json_object: any JSON value (not
     ``builtin_json_grammar``, which allows only an object or array and
-    unbounded whitespace). regex: ``Grammar.from_regex``. ebnf:
+    unbounded whitespace). regex: ``Grammar.from_regex``, ``.`` excluding
+    a newline (`dot_as_class`). ebnf:
     ``Grammar.from_ebnf`` with root rule ``root``. structural_tag: see
     `structural_tag_json`.
 
@@ -291,7 +376,7 @@ def build_grammar(key: GrammarKey) -> xgr.Grammar:
         if key.kind == "json_schema":
             return _json_grammar(key.text)
         if key.kind == "regex":
-            return xgr.Grammar.from_regex(key.text)
+            return xgr.Grammar.from_regex(dot_as_class(key.text, RegexDialect.PYTHON))
         if key.kind == "ebnf":
             return xgr.Grammar.from_ebnf(key.text, root_rule_name="root")
         if key.kind == "structural_tag":
@@ -387,9 +472,27 @@ def _grammar_error(key: GrammarKey, error: Exception) -> GrammarError:
     return GrammarError(f"invalid {_KIND_LABELS.get(key.kind, key.kind)}: {detail}", key.param)
 
 
+def _first_line(error: Exception) -> str:
+    text = _LOG_PREFIX.sub("", str(error).strip())
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def _allow_only(mask_row: torch.Tensor, token_ids: list[int]) -> None:
     """Set ``mask_row`` (ceil(V / 32) int32) so that only ``token_ids`` are allowed."""
     mask_row.zero_()
+    _set_bits(mask_row, token_ids, True)
+
+
+def _is_allowed(mask_row: torch.Tensor, token_id: int) -> bool:
+    """Whether bit ``token_id`` of one int32 mask row is set."""
+    return bool((int(mask_row[token_id // 32]) >> (token_id % 32)) & 1)
+
+
+def _set_bits(mask_row: torch.Tensor, token_ids, allowed: bool) -> None:
+    """Set (``allowed``) or clear the bits of ``token_ids`` in one int32 mask row (ids past it are skipped)."""
     for token_id in token_ids:
-        word = int(mask_row[token_id // 32]) | (1 << (token_id % 32))
+        if token_id >= mask_row.numel() * 32:
+            continue
+        word, bit = int(mask_row[token_id // 32]), 1 << (token_id % 32)
+        word = ((word | bit) if allowed else (word & ~bit)) & 0xFFFFFFFF
         mask_row[token_id // 32] = word - (1 << 32) if word >= 1 << 31 else word

@@ -24,6 +24,7 @@ The processing order follows vLLM and SGLang (``sglang/srt/layers/sampler.py``,
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -149,12 +150,39 @@ class TokenLogprobs(NamedTuple):
     """Log probabilities of chosen tokens and, when asked, the top alternatives.
 
     ``logprobs`` (N,) float32; ``top_values`` (N, k) float32 and ``top_ids``
-    (N, k) int64, or None when k is 0.
+    (N, k) int64, or None when k is 0. Under a grammar mask fewer than k
+    tokens may be allowed, and the rest of a row is -inf; read rows with
+    `top_pairs`, which leaves those out.
     """
 
     logprobs: torch.Tensor
     top_values: torch.Tensor | None
     top_ids: torch.Tensor | None
+
+    def top_pairs(self, row: int, k: int) -> list[tuple[float, int]]:
+        """The first ``k`` (logprob, token id) alternatives of ``row`` that are finite (see `finite_top_pairs`)."""
+        if self.top_values is None or self.top_ids is None or k <= 0:
+            return []
+        return finite_top_pairs(self.top_values[row, :k].tolist(), self.top_ids[row, :k].tolist())
+
+
+def finite_top_pairs(values: list[float], token_ids: list[int]) -> list[tuple[float, int]]:
+    """(logprob, token id) pairs of a top-logprobs row without its non-finite entries.
+
+    The top alternatives are taken after the grammar mask, so a masked token
+    (logprob -inf: it could not have been sampled) is no alternative, and it
+    is left out rather than reported: a constrained request may get fewer
+    than the ``top_logprobs`` it asked for. JSON has no -inf either (the HTTP
+    reply would fail). NaN (a broken row) is left out too.
+
+    Parameters
+    ----------
+    values:
+        Logprobs in descending order (one row of `TokenLogprobs.top_values`).
+    token_ids:
+        Their token ids (the same row of `TokenLogprobs.top_ids`).
+    """
+    return [(v, t) for v, t in zip(values, token_ids) if math.isfinite(v)]
 
 
 class SampleOutput(NamedTuple):

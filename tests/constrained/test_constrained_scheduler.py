@@ -201,8 +201,8 @@ class SlowCompiled(CompiledGrammar):
     def __init__(self, inner):
         self.inner = inner
 
-    def new_matcher(self):
-        return self.inner.new_matcher()
+    def new_matcher(self, stop_token_ids=()):
+        return self.inner.new_matcher(stop_token_ids)
 
 
 class SlowBackend(GrammarBackend):

@@ -15,7 +15,7 @@ class FakeCompiled(CompiledGrammar):
     def __init__(self, key: GrammarKey):
         self.key = key
 
-    def new_matcher(self):
+    def new_matcher(self, stop_token_ids=()):
         raise NotImplementedError
 
 

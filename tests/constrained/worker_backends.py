@@ -15,7 +15,7 @@ class WorkerCompiled(CompiledGrammar):
         self.key = key
         self.pid = pid
 
-    def new_matcher(self):
+    def new_matcher(self, stop_token_ids=()):
         raise NotImplementedError
 
 

@@ -30,8 +30,10 @@ the types those keywords belong to (xgrammar does so itself for objects
 and arrays); a ``number`` with an integral ``multipleOf`` becomes an
 ``integer``; integer bounds are clamped to int64; a pattern with a
 ``maxLength`` it does not imply has every unbounded repeat capped (at
-least `MIN_REPEAT_CAP`) so the longest match fits; ``.`` never matches a
-newline; an unset additionalProperties becomes false where a forbidden
+least `MIN_REPEAT_CAP`) so the longest match fits; ``.`` in a
+``pattern`` is ECMA-262's, never a line terminator (``[^\\n\\r\\u2028\\u2029]``,
+`regex_constraint.dot_as_class`; `jsonschema` validates with Python's ``.``,
+which is wider); an unset additionalProperties becomes false where a forbidden
 property is dropped.
 
 Recorded as problems: ``multipleOf`` that is fractional or beside an
@@ -142,6 +144,7 @@ from arborlm.constrained.json_schema.patterns import (
 )
 from arborlm.constrained.json_schema.values import mutually_exclusive
 from arborlm.constrained.keys import GrammarError
+from arborlm.constrained.regex_constraint import RegexDialect, dot_as_class
 
 
 @dataclass(frozen=True)
@@ -329,7 +332,8 @@ class SchemaLowering:
                 else:
                     pattern = combined
                 min_length, max_length = 0, None
-            out["pattern"] = separator_first_repeat(pattern)
+            # Last: the rewrites above read "." tokens; the class is what ECMA-262 means by one.
+            out["pattern"] = dot_as_class(separator_first_repeat(pattern), RegexDialect.ECMA)
         if min_length > 0:
             out["minLength"] = min_length
         if max_length is not None:
