@@ -135,6 +135,15 @@ CRASHES = {
 }
 
 
+def test_an_output_whose_validation_never_ends_is_reported():
+    """Found by the property: ``if`` applies the root to the same value again; jsonschema recursed
+    until ``referencing``'s Rust maps panicked (a PanicException, not a RecursionError)."""
+    schema = {"$schema": DIALECT, "minimum": 0, "additionalProperties": {"$dynamicRef": "#", "maxItems": 1},
+              "if": {"$dynamicRef": "#", "maxItems": 1}}
+    prepared = prepare_json_schema(schema, lenient=True)
+    assert "recurses without end" in validate_json_output(prepared, '{"a": []}')
+
+
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.backend)
 @pytest.mark.parametrize("lenient", [False, True])
 @pytest.mark.parametrize("name", sorted(CRASHES))

@@ -156,6 +156,15 @@ def validator_class(raw: Any) -> type:
     )
 
 
+def ran_out_of_stack(error: BaseException) -> bool:
+    """Whether ``error`` is Python's stack running out: a `RecursionError`, or the panic that
+    ``referencing``'s Rust maps (``rpds``) raise when one reaches them (a ``PanicException``,
+    which derives from `BaseException` only, wrapping the RecursionError)."""
+    if isinstance(error, RecursionError):
+        return True
+    return type(error).__name__ == "PanicException" and "RecursionError" in str(error)
+
+
 def dialect_of(cls: type) -> str:
     """The metaschema URI of validator class ``cls``."""
     meta = cls.META_SCHEMA

@@ -18,7 +18,13 @@ from jsonschema import validators as js_validators
 from arborlm.constrained.json_schema.lower import lower_document
 from arborlm.constrained.json_schema.nodes import PARAM, Problem, first_of_each
 from arborlm.constrained.json_schema.normalise import Normaliser
-from arborlm.constrained.json_schema.parse import dialect_of, load_schema, shorten, validator_class
+from arborlm.constrained.json_schema.parse import (
+    dialect_of,
+    load_schema,
+    ran_out_of_stack,
+    shorten,
+    validator_class,
+)
 from arborlm.constrained.json_schema.policy import XGRAMMAR_POLICY, SchemaForm, SchemaPolicy
 from arborlm.constrained.json_schema.regex_budget import PREPARE_REGEX_BUDGET_S, RegexBudget
 from arborlm.constrained.keys import GrammarError
@@ -92,9 +98,11 @@ def prepare_json_schema(
     """
     try:
         return _prepare(schema, lenient, policy, RegexBudget(regex_budget_s))
-    except RecursionError as e:
+    except BaseException as e:  # noqa: BLE001 — only running out of stack is caught, see below
         # The phases recurse per level of the schema and per unfolded reference; the depth
         # of the JSON is bounded (MAX_SCHEMA_DEPTH), chains of references are not.
+        if not ran_out_of_stack(e):
+            raise
         raise GrammarError(_too_deep_message(e), PARAM) from None
 
 
@@ -134,7 +142,7 @@ def _rewrite(raw: dict | bool, cls: type, form: SchemaForm, budget: RegexBudget)
     return json.dumps(lowered.doc), problems
 
 
-def _too_deep_message(error: RecursionError) -> str:
+def _too_deep_message(error: BaseException) -> str:
     """The refusal of a schema whose preparation ran out of stack, naming the deepest schema path reached.
 
     The phases' functions take the JSON pointer they work at as ``path``; the

@@ -23,7 +23,12 @@ from arborlm.constrained.json_schema.budgeted_validator import (
     budgeted_validator_class,
     without_dialects,
 )
-from arborlm.constrained.json_schema.parse import json_pointer, shorten, strict_json_loads
+from arborlm.constrained.json_schema.parse import (
+    json_pointer,
+    ran_out_of_stack,
+    shorten,
+    strict_json_loads,
+)
 from arborlm.constrained.json_schema.regex_budget import (
     OUTPUT_REGEX_BUDGET_S,
     PatternTimeout,
@@ -63,11 +68,14 @@ def validate_json_output(prepared: PreparedSchema, text: str,
     validator = _output_validator(prepared.original, prepared.dialect, RegexBudget(regex_budget_s))
     try:
         error = js_exceptions.best_match(validator.iter_errors(instance))
-    except RecursionError:
-        return "output could not be validated: the JSON schema recurses without end"
     except PatternTimeout as e:
         return (f"output could not be validated: matching the pattern {shorten(repr(e.pattern), 100)} "
                 f"took longer than {e.budget_s:g} s")
+    except BaseException as e:  # noqa: BLE001 — only running out of stack is caught
+        # A schema that applies itself to the same value (`if: {"$dynamicRef": "#"}`) never ends.
+        if not ran_out_of_stack(e):
+            raise
+        return "output could not be validated: the JSON schema recurses without end"
     if error is None:
         return None
     where = json_pointer(error.absolute_path) or "/"
