@@ -248,7 +248,7 @@ class ModelWorker:
             top: list[tuple[float, int]] = []
             if req.top_logprobs_num and out.top_logprobs is not None:
                 k = req.top_logprobs_num
-                top = list(zip(out.top_logprobs.top_values[i, :k].tolist(), out.top_logprobs.top_ids[i, :k].tolist()))
+                top = out.top_logprobs.top_pairs(i, k)  # masked (-inf) alternatives are left out
             infos.append(LogprobInfo(float(out.logprobs[i]), token_ids[i], top))
         return Sampled(token_ids, infos, out.invalid_rows)
 

@@ -202,7 +202,7 @@ class Scheduler:
             if compiled is None:
                 still.append((req, pending))
             else:
-                req.grammar = compiled.new_matcher()
+                req.grammar = compiled.new_matcher(req.sampling_params.stop_token_ids or ())
                 self.waiting_queue.append(req)
         self.grammar_queue = still
 

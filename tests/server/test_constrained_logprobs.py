@@ -21,7 +21,6 @@ BASE = {"temperature": 0, "max_tokens": 12, "response_format": RESPONSE_FORMAT}
 
 # The worker builds the per-request top lists (runtime/model_worker.py, ModelWorker.sample); until it
 # reads them with `TokenLogprobs.top_pairs` the replies are still 500s. Strict: remove it with that change.
-pytestmark = pytest.mark.xfail(strict=True, reason="ModelWorker.sample does not use TokenLogprobs.top_pairs yet")
 
 
 def chat_body(stream: bool) -> dict:
