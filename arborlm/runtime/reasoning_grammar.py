@@ -95,7 +95,8 @@ def after_reasoning(spec: GrammarSpec | None, reasoning: dict | None, backend: s
 
 def _combined_tag(inner: GrammarKey, where: Reasoning) -> dict:
     """The structural tag: the reasoning block, the separator, then the inner grammar's EBNF."""
-    from arborlm.constrained.xgrammar_backend import build_grammar  # imports xgrammar: on first use only
+    # imports xgrammar (and torch): on the first constrained request after reasoning only
+    from arborlm.constrained.xgrammar_backend import build_grammar
 
     elements: list[dict] = [{"type": "tag", "begin": where.begin, "content": {"type": "any_text"}, "end": where.end}]
     if where.separator:

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from arborlm.chat_template import BUILTIN_CHAT_TEMPLATES, apply_chat_template_override, load_chat_template
+from arborlm.chat_template import (
+    BUILTIN_CHAT_TEMPLATES,
+    apply_chat_template_override,
+    load_chat_template,
+)
 from arborlm.cli import build_parser, server_args_from
 from arborlm.entrypoints.openai.chat_render import render_chat
 from arborlm.entrypoints.openai.protocol import ChatMessage

@@ -107,6 +107,31 @@ def test_reasoning_cut_by_max_tokens(client):
     assert message.reasoning_content == "Let me" and message.content == ""
 
 
+R1_SCRIPT = chain("\n", "Let", " me", " think", "</think>", "\n\n", " The", " answer", "<|im_end|>")
+
+
+@pytest.fixture(scope="module")
+def r1_client(smollm_dir, tmp_path_factory):
+    """DeepSeek-R1's template ends the prompt with `<think>`: the output starts inside the reasoning."""
+    folder = write_scripted_model(tmp_path_factory.mktemp("scripted_r1"), smollm_dir, R1_SCRIPT)
+    srv = start_server(folder, folder / "server.log", "--chat-template", "deepseek-r1",
+                       "--reasoning-parser", "deepseek-r1")
+    yield openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    stop_server(srv)
+
+
+@pytest.mark.parametrize("response_format", [None, FORMAT], ids=["text", "json_schema"])
+def test_deepseek_r1_starts_inside_the_reasoning(r1_client, response_format):
+    kwargs = {**GREEDY, **({"response_format": response_format} if response_format else {})}
+    choice = r1_client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "stop" and choice.message.reasoning_content == "Let me think"
+    if response_format:
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    else:
+        assert choice.message.content == "The answer"
+    assert _streamed(r1_client, **kwargs) == ("Let me think", choice.message.content, [], "stop")
+
+
 def test_logit_bias_over_the_cap_is_a_400_naming_it(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**GREEDY, logit_bias={str(i): 1 for i in range(1025)})

@@ -17,7 +17,12 @@ import openai
 import pytest
 
 from tests.server.conftest import API_KEY, start_server, stop_server, wait_idle
-from tests.server.scripted_model import chain, scripted_tokenizer, token_pieces, write_scripted_model
+from tests.server.scripted_model import (
+    chain,
+    scripted_tokenizer,
+    token_pieces,
+    write_scripted_model,
+)
 
 WEATHER_SCHEMA = {
     "type": "object",

@@ -16,6 +16,7 @@ import xgrammar as xgr
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from arborlm.chat_template import load_chat_template
 from arborlm.constrained.xgrammar_backend import structural_tag_json
 from arborlm.entrypoints.openai.tool_parsers.base import (
     ArgumentsDelta,
@@ -30,7 +31,6 @@ from arborlm.entrypoints.openai.tool_parsers.llama3 import Llama3Format
 from arborlm.entrypoints.openai.tool_parsers.mistral import MistralFormat
 from arborlm.entrypoints.openai.tool_parsers.pythonic import PythonicFormat, kwargs_to_json
 from arborlm.entrypoints.openai.tool_parsers.registry import tool_call_format
-from arborlm.chat_template import load_chat_template
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                                             "metric": {"type": "boolean"}, "note": {"type": ["string", "null"]}},

@@ -19,7 +19,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from arborlm.entrypoints.openai.tool_parsers.base import FunctionSpec, ToolCallFormat, ToolCallParser
+from arborlm.entrypoints.openai.tool_parsers.base import (
+    FunctionSpec,
+    ToolCallFormat,
+    ToolCallParser,
+)
 from arborlm.entrypoints.openai.tool_parsers.json_calls import (
     JsonCallParser,
     JsonCallSyntax,

@@ -13,14 +13,22 @@ since these templates refuse any other length in the history they are sent back 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 import secrets
 import string
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from arborlm.entrypoints.openai.tool_parsers.base import FunctionSpec, ToolCallFormat, ToolCallParser
-from arborlm.entrypoints.openai.tool_parsers.json_calls import JsonCallParser, JsonCallSyntax, call_tag
+from arborlm.entrypoints.openai.tool_parsers.base import (
+    FunctionSpec,
+    ToolCallFormat,
+    ToolCallParser,
+)
+from arborlm.entrypoints.openai.tool_parsers.json_calls import (
+    JsonCallParser,
+    JsonCallSyntax,
+    call_tag,
+)
 
 CALL_TRIGGER = "[TOOL_CALLS]"
 LIST_BEGIN = "[TOOL_CALLS] ["

@@ -28,7 +28,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from arborlm.constrained.keys import GrammarError
-from arborlm.entrypoints.openai.tool_parsers.base import Event, FunctionSpec, ToolCallFormat, ToolCallParser
+from arborlm.entrypoints.openai.tool_parsers.base import (
+    Event,
+    FunctionSpec,
+    ToolCallFormat,
+    ToolCallParser,
+)
 from arborlm.entrypoints.openai.tool_parsers.json_calls import JsonCallParser, JsonCallSyntax
 
 LIST_BEGIN, LIST_END, CALL_SEPARATOR = "[", "]", ", "
@@ -72,7 +77,8 @@ class PythonicFormat(ToolCallFormat):
         kwargs = {f.name: {"type": "grammar", "grammar": kwargs_ebnf(f)} for f in functions}
         if choice == "named":
             return {"type": "tag", "begin": f"{LIST_BEGIN}{named}(", "content": kwargs[named], "end": f"){LIST_END}"}
-        calls = [{"type": "tag", "begin": f"{name}(", "content": content, "end": ")"} for name, content in kwargs.items()]
+        calls = [{"type": "tag", "begin": f"{name}(", "content": content, "end": ")"}
+                 for name, content in kwargs.items()]
         items = {"type": "tags_with_separator", "tags": calls, "separator": CALL_SEPARATOR, "at_least_one": True,
                  "stop_after_first": not parallel}
         if choice == "required":
@@ -154,7 +160,8 @@ def python_literal(value: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(python_literal(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {python_literal(v)}" for k, v in value.items()) + "}"
+        items = (f"{json.dumps(k, ensure_ascii=False)}: {python_literal(v)}" for k, v in value.items())
+        return "{" + ", ".join(items) + "}"
     return json.dumps(value, ensure_ascii=False)
 
 
