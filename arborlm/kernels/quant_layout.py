@@ -1,20 +1,22 @@
-"""The packed layout of GGUF-quantized weights: ggml blocks in, our interleaved rows out.
+"""The packed layout of GGUF-quantized weights: ggml blocks in, our tiled rows out.
 
 A quantized linear layer (`runtime/layers/quantization/`) packs each GGUF tensor
 once at load with `pack_ggml_blocks`, and every later step streams the result
 (`quant_ops.py` in C++, `quant_reference.py` in torch). The bits are ggml's
-(llama.cpp `ggml-common.h`), only reordered; `csrc/quant_layout.h` describes the
-order and why:
+(`ggml_blocks.py` reads them into quants and scales per block of 32 values), only
+reordered; `csrc/quant_layout.h` describes the order and why. In short, rows go in
+tiles of 16 (the last padded with zero rows) and every array is ordered (tile,
+block, ..., row):
 
-- ggml: a row of K values is K / 32 blocks; block_q8_0 = {fp16 d; int8 qs[32]},
-  block_q4_0 = {fp16 d; uint8 qs[16]}, block_q4_1 = {fp16 d, m; uint8 qs[16]}
-  (q4 byte j: value j in the low nibble, value j + 16 in the high one). Values:
-  Q8_0 d * q, Q4_0 d * (q - 8), Q4_1 d * q + m.
-- ours: rows in tiles of 16 (the last padded with zero rows); `qs` (tiles,
-  K / 32 * 16 * quant bytes) uint8 holds, per tile and block, the block's quant
-  bytes of the 16 rows ordered (4-byte chunk, row, byte); Q8_0's quants are
-  stored + 128 (uint8, for VNNI's unsigned x signed products); `scales` and
-  `mins` (tiles, K / 32 * 16) fp16, ggml's d and m, ordered (block, row).
+- `qs` (tiles, blocks, chunks, 16 rows, 4) uint8: each row's quant bytes of a block
+  in 4-byte chunks (Q8_0's quants + 128; the other formats' low 4 bits, Q4's order);
+- `scales` / `mins` (tiles, blocks or super-blocks, 16) fp16: ggml's d and m (Q4_1),
+  or a K-quant's super-block d and dmin;
+- `highbits` (tiles, blocks, planes, 4 chunks, 2 halves, 8) uint8: Q5_K's fifth bit
+  (one plane) or Q6_K's two high bits, one 64-bit mask per (chunk, half) whose bit
+  4 r + v is value 16 half + 4 chunk + v of row r (an AVX-512 byte mask as is);
+- `sub_scales` (tiles, blocks, [2,] 16): K-quant block scales (Q6_K's int8, per half
+  block); `sub_mins` (tiles, blocks, 16) uint8: Q4_K / Q5_K block mins.
 
 Plain tensors only; nothing here knows about models.
 """
@@ -22,44 +24,63 @@ Plain tensors only; nothing here knows about models.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
 
-BLOCK = 32  # values per block (all three formats)
+from arborlm.kernels.ggml_blocks import (
+    BLOCK,
+    RECORD_BYTES,
+    RECORD_VALUES,
+    GgmlRows,
+    parse_ggml_blocks,
+)
+
 TILE = 16  # rows interleaved together: one per 32-bit lane of an AVX-512 register
+SUPER = 8  # blocks of 32 per K-quant super-block
 
 
 @dataclass(frozen=True)
 class QuantFormat:
     """One ggml block format we serve.
 
-    code: the format id of `csrc/quant_layout.h`. ggml_block_bytes: bytes of one
-    ggml block (scales + quants). header_bytes: its fp16 scale (and min) before the
-    quants. quant_bytes: bytes of one block's quants. offset: stored quant minus
-    offset = ggml's signed quant. has_min: Q4_1's per-block additive m.
+    code: the format id of `csrc/quant_layout.h`. quant_bytes: bytes of one block's
+    `qs` (32 for Q8_0, 16 for 4-bit low parts). offset: stored quant minus offset =
+    ggml's signed quant. has_min: a per-block min (Q4_1 adds it, K-quants subtract it).
+    planes: high-bit planes beyond the low 4 (Q5_K 1, Q6_K 2). k_quant: scales per
+    super-block of 256 values with sub-scales per block.
     """
 
     name: str
     code: int
-    ggml_block_bytes: int
-    header_bytes: int
     quant_bytes: int
     offset: int
     has_min: bool
+    planes: int = 0
+    k_quant: bool = False
 
     @property
     def nibbles(self) -> bool:
-        """Whether two quants share a byte (4-bit formats)."""
+        """Whether two quants share a byte of `qs` (all but Q8_0)."""
         return self.quant_bytes == BLOCK // 2
+
+    @property
+    def ggml_block_bytes(self) -> int:
+        return RECORD_BYTES[self.name]
+
+    @property
+    def ggml_block_values(self) -> int:
+        return RECORD_VALUES[self.name]
 
 
 QUANT_FORMATS: dict[str, QuantFormat] = {
-    "q8_0": QuantFormat("q8_0", 0, 34, 2, 32, 128, False),
-    "q4_0": QuantFormat("q4_0", 1, 18, 2, 16, 8, False),
-    "q4_1": QuantFormat("q4_1", 2, 20, 4, 16, 0, True),
+    "q8_0": QuantFormat("q8_0", 0, 32, 128, False),
+    "q4_0": QuantFormat("q4_0", 1, 16, 8, False),
+    "q4_1": QuantFormat("q4_1", 2, 16, 0, True),
+    "q4_k": QuantFormat("q4_k", 3, 16, 0, True, k_quant=True),
+    "q5_k": QuantFormat("q5_k", 4, 16, 0, True, planes=1, k_quant=True),
+    "q6_k": QuantFormat("q6_k", 5, 16, 32, False, planes=2, k_quant=True),
 }
 
 
@@ -67,9 +88,8 @@ QUANT_FORMATS: dict[str, QuantFormat] = {
 class QuantWeight:
     """A weight (out_features, in_features) packed for the quantized kernels.
 
-    fmt: a key of `QUANT_FORMATS`. qs: (tiles, in / 32 * 16 * quant_bytes) uint8.
-    scales: (tiles, in / 32 * 16) fp16. mins: the same for Q4_1, else None.
-    tiles = ceil(out_features / 16).
+    fmt: a key of `QUANT_FORMATS`. The arrays (module docstring), each (tiles, -1)
+    with tiles = ceil(out_features / 16); those a format does not use are None.
     """
 
     fmt: str
@@ -77,7 +97,10 @@ class QuantWeight:
     in_features: int
     qs: torch.Tensor
     scales: torch.Tensor
-    mins: torch.Tensor | None
+    mins: torch.Tensor | None = None
+    highbits: torch.Tensor | None = None
+    sub_scales: torch.Tensor | None = None
+    sub_mins: torch.Tensor | None = None
 
     @property
     def format(self) -> QuantFormat:
@@ -85,31 +108,27 @@ class QuantWeight:
 
     @property
     def num_blocks(self) -> int:
-        """Blocks per row (in_features / 32)."""
+        """Blocks of 32 per row."""
         return self.in_features // BLOCK
 
     @property
     def nbytes(self) -> int:
-        """Bytes held in memory: the GGUF tensor's, plus padding rows up to a tile."""
+        """Bytes held in memory: about the GGUF tensor's, plus padding rows up to a tile."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def arrays(self) -> dict[str, torch.Tensor | None]:
+        """Name -> array, in the kernels' pointer order (None where the format has none)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("fmt", "out_features", "in_features")}
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """Every tensor that holds this weight."""
-        return (self.qs, self.scales) if self.mins is None else (self.qs, self.scales, self.mins)
-
-
-class GgmlRows(NamedTuple):
-    """Rows of a weight in ggml's order: quants (rows, blocks, quant_bytes) uint8 as
-    stored (Q8_0 + 128), scales (rows, blocks) fp16, mins likewise or None."""
-
-    quants: torch.Tensor
-    scales: torch.Tensor
-    mins: torch.Tensor | None
+        return tuple(t for t in self.arrays().values() if t is not None)
 
 
 def ggml_row_bytes(fmt: str, in_features: int) -> int:
-    """Bytes of one ggml row of `in_features` values (a multiple of 32) in format `fmt`."""
-    return in_features // BLOCK * QUANT_FORMATS[fmt].ggml_block_bytes
+    """Bytes of one ggml row of `in_features` values in format `fmt`."""
+    f = QUANT_FORMATS[fmt]
+    return in_features // f.ggml_block_values * f.ggml_block_bytes
 
 
 def pack_ggml_blocks(fmt: str, raw: torch.Tensor, in_features: int) -> QuantWeight:
@@ -117,79 +136,100 @@ def pack_ggml_blocks(fmt: str, raw: torch.Tensor, in_features: int) -> QuantWeig
 
     Parameters
     ----------
-    fmt: "q8_0", "q4_0" or "q4_1".
+    fmt: a key of `QUANT_FORMATS`.
     raw: (out_features, ggml_row_bytes(fmt, in_features)) uint8, the tensor as stored
         in the GGUF file (rows of ggml blocks; little-endian fp16 scales).
-    in_features: values per row, a multiple of 32.
+    in_features: values per row, a multiple of the format's block (32; 256 for K-quants).
 
     Raises
     ------
     ValueError
-        For an unknown format, an in_features not a multiple of 32, or `raw` of
-        another shape or dtype.
+        For an unknown format, an in_features not a whole number of blocks, or `raw`
+        of another shape or dtype.
     """
     if fmt not in QUANT_FORMATS:
         raise ValueError(f"unknown quantized format {fmt!r}; known: {sorted(QUANT_FORMATS)}")
-    if in_features <= 0 or in_features % BLOCK:
-        raise ValueError(f"{fmt} rows hold a multiple of {BLOCK} values, got in_features={in_features}")
     f = QUANT_FORMATS[fmt]
+    if in_features <= 0 or in_features % f.ggml_block_values:
+        raise ValueError(f"{fmt} rows hold a multiple of {f.ggml_block_values} values, got in_features={in_features}")
     expected = ggml_row_bytes(fmt, in_features)
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != expected or raw.shape[0] == 0:
         raise ValueError(f"{fmt} data must be (rows, {expected}) uint8, got {raw.dtype} {tuple(raw.shape)}")
-    # ggml's block as a numpy record: fp16 fields and the quant bytes come out as
-    # (rows, nb[, bytes]) arrays in one strided copy each (torch copies strided bytes slowly).
-    header = [("d", "<f2"), ("m", "<f2")] if f.has_min else [("d", "<f2")]
-    record = np.dtype([*header, ("qs", "u1", (f.quant_bytes,))])
-    blocks = raw.numpy().view(record).reshape(raw.shape[0], in_features // BLOCK)
-    quants = np.ascontiguousarray(blocks["qs"])
-    if fmt == "q8_0":
-        quants ^= 0x80  # int8 q -> uint8 q + 128
-    mins = _as_fp16(blocks["m"]) if f.has_min else None
-    return pack_rows(fmt, GgmlRows(torch.from_numpy(quants), _as_fp16(blocks["d"]), mins))
-
-
-def _as_fp16(field: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(field))
+    return pack_rows(fmt, parse_ggml_blocks(fmt, raw.numpy()))
 
 
 def pack_rows(fmt: str, rows: GgmlRows) -> QuantWeight:
-    """Rows in ggml's order -> the tiled layout (rows padded with zeros up to a tile)."""
+    """Rows as quants and scales -> the tiled layout (rows padded with zeros up to a tile)."""
     n, nb, width = rows.quants.shape
     tiles = -(-n // TILE)
-
-    def tiled(t: torch.Tensor) -> torch.Tensor:
-        pad = tiles * TILE - n
-        return torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) if pad else t
-
     # 4-byte chunks as int32: (tiles, 16 rows, nb, chunks) -> (tiles, nb, chunks, 16 rows)
-    chunks = tiled(rows.quants.contiguous()).view(torch.int32).reshape(tiles, TILE, nb, width // 4)
-    qs = chunks.permute(0, 2, 3, 1).contiguous().view(torch.uint8).reshape(tiles, -1)
+    qs = _tiled(rows.quants.contiguous().view(torch.int32), tiles).view(torch.uint8).reshape(tiles, -1)
+    highbits = None if rows.high is None else _tiled_bits(rows.high, tiles, QUANT_FORMATS[fmt].planes)
+    return QuantWeight(
+        fmt, n, nb * BLOCK, qs, _tiled(rows.scales, tiles), _tiled(rows.mins, tiles), highbits,
+        _tiled(rows.sub_scales, tiles), _tiled(rows.sub_mins, tiles),
+    )
 
-    def tiled_scales(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else tiled(t).reshape(tiles, TILE, nb).transpose(1, 2).reshape(tiles, -1).contiguous()
 
-    return QuantWeight(fmt, n, nb * BLOCK, qs, tiled_scales(rows.scales), tiled_scales(rows.mins))
+def _tiled(t: torch.Tensor | None, tiles: int) -> torch.Tensor | None:
+    """(n, X, *inner) per-row array -> (tiles, X * prod(inner) * 16) ordered (tile, X, *inner, row)."""
+    if t is None:
+        return None
+    pad = tiles * TILE - t.shape[0]
+    if pad:
+        t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))])
+    t = t.reshape(tiles, TILE, *t.shape[1:])
+    return t.permute(0, *range(2, t.dim()), 1).contiguous().reshape(tiles, -1)
+
+
+def _tiled_bits(high: torch.Tensor, tiles: int, planes: int) -> torch.Tensor:
+    """(n, nb, 32) high parts -> (tiles, nb * planes * 4 * 2 * 8) bit masks (module docstring)."""
+    h = high.numpy()
+    pad = tiles * TILE - h.shape[0]
+    if pad:
+        h = np.concatenate([h, np.zeros((pad, *h.shape[1:]), h.dtype)])
+    # value i = 16 half + 4 chunk + v: (tiles, rows, nb, half, chunk, v) -> (tiles, nb, chunk, half, rows, v)
+    h = h.reshape(tiles, TILE, -1, 2, 4, 4).transpose(0, 2, 4, 3, 1, 5)
+    bits = [((h >> p) & 1).reshape(*h.shape[:4], TILE * 4) for p in range(planes)]  # bit 4 r + v
+    masks = [np.packbits(b, axis=-1, bitorder="little") for b in bits]  # 64 bits -> 8 bytes per (chunk, half)
+    return torch.from_numpy(np.ascontiguousarray(np.stack(masks, axis=2))).reshape(tiles, -1)
 
 
 def unpack_rows(weight: QuantWeight, rows: torch.Tensor | None = None) -> GgmlRows:
-    """Rows `rows` ((n,) int64; None = all) of a packed weight, back in ggml's order."""
-    tiles, nb, width = weight.qs.shape[0], weight.num_blocks, weight.format.quant_bytes
-    chunks = weight.qs.view(torch.int32).view(tiles, nb, width // 4, TILE)
+    """Rows `rows` ((n,) int64; None = all) of a packed weight, back as quants and scales."""
+    nb, f = weight.num_blocks, weight.format
+    shapes = {  # each array's (X, *inner) per row
+        "scales": (nb // SUPER,) if f.k_quant else (nb,),
+        "mins": (nb // SUPER,) if f.k_quant else (nb,),
+        "sub_scales": (nb, 2) if f.name == "q6_k" else (nb,),
+        "sub_mins": (nb,),
+    }
+    quants = _untiled(weight.qs.view(torch.int32), (nb, f.quant_bytes // 4), weight.out_features, rows)
+    quants = quants.contiguous().view(torch.uint8).reshape(quants.shape[0], nb, f.quant_bytes)
+    found = {name: _untiled(getattr(weight, name), shape, weight.out_features, rows) for name, shape in shapes.items()}
+    high = None if weight.highbits is None else _untiled_bits(weight, rows)
+    return GgmlRows(quants, found["scales"], found["mins"], high, found["sub_scales"], found["sub_mins"])
 
-    def scales_of(t: torch.Tensor | None) -> torch.Tensor | None:
-        if t is None:
-            return None
-        t = t.view(tiles, nb, TILE)
-        if rows is None:
-            return t.transpose(1, 2).reshape(tiles * TILE, nb)[:weight.out_features]
-        return t[rows // TILE, :, rows % TILE]
 
-    if rows is None:
-        quants = chunks.permute(0, 3, 1, 2).reshape(tiles * TILE, nb, width // 4)[:weight.out_features]
-    else:
-        quants = chunks[rows // TILE, :, :, rows % TILE]
-    quants = quants.contiguous().view(torch.uint8).reshape(quants.shape[0], nb, width)
-    return GgmlRows(quants, scales_of(weight.scales), scales_of(weight.mins))
+def _untiled(t: torch.Tensor | None, shape: tuple[int, ...], n: int, rows: torch.Tensor | None) -> torch.Tensor | None:
+    """The inverse of `_tiled`, for all rows (the first n) or rows `rows`."""
+    if t is None:
+        return None
+    t = t.reshape(t.shape[0], *shape, TILE)
+    if rows is not None:
+        return t[(rows // TILE, *(slice(None),) * len(shape), rows % TILE)]
+    return t.permute(0, t.dim() - 1, *range(1, t.dim() - 1)).reshape(-1, *shape)[:n]
+
+
+def _untiled_bits(weight: QuantWeight, rows: torch.Tensor | None) -> torch.Tensor:
+    """`highbits` back to (n, nb, 32) high parts."""
+    tiles, nb, planes = weight.qs.shape[0], weight.num_blocks, weight.format.planes
+    masks = weight.highbits.reshape(tiles, nb, planes, 4, 2, 8).to(torch.int32)
+    bits = (masks.unsqueeze(-1) >> torch.arange(8)) & 1  # (tiles, nb, planes, chunk, half, 8 bytes, 8 bits)
+    bits = bits.reshape(tiles, nb, planes, 4, 2, TILE, 4)  # bit 4 r + v -> (row, v)
+    high = sum(bits[:, :, p] << p for p in range(planes))  # (tiles, nb, chunk, half, rows, v)
+    high = high.permute(0, 4, 1, 3, 2, 5).reshape(tiles * TILE, nb, 32)  # value 16 half + 4 chunk + v
+    return (high[:weight.out_features] if rows is None else high[rows]).to(torch.uint8)
 
 
 def cat_rows(weights: Sequence[QuantWeight]) -> QuantWeight:
@@ -208,12 +248,9 @@ def cat_rows(weights: Sequence[QuantWeight]) -> QuantWeight:
         raise ValueError("cat_rows needs weights of one format and in_features")
     out_features = sum(w.out_features for w in weights)
     if all(w.out_features % TILE == 0 for w in weights[:-1]):
-        mins = None if first.mins is None else torch.cat([w.mins for w in weights])
-        return QuantWeight(
-            first.fmt, out_features, first.in_features, torch.cat([w.qs for w in weights]),
-            torch.cat([w.scales for w in weights]), mins,
-        )
+        arrays = {name: None if t is None else torch.cat([w.arrays()[name] for w in weights])
+                  for name, t in first.arrays().items()}
+        return replace(first, out_features=out_features, **arrays)
     parts = [unpack_rows(w) for w in weights]
-    mins = None if first.mins is None else torch.cat([p.mins for p in parts])
-    quants = torch.cat([p.quants for p in parts])
-    return pack_rows(first.fmt, GgmlRows(quants, torch.cat([p.scales for p in parts]), mins))
+    stacked = [None if p is None else torch.cat([part[i] for part in parts]) for i, p in enumerate(parts[0])]
+    return pack_rows(first.fmt, GgmlRows(*stacked))

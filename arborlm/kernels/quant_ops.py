@@ -32,13 +32,13 @@ import torch.nn.functional as F
 from arborlm.envs import ENVS
 from arborlm.kernels import cpu_ops, quant_reference
 from arborlm.kernels.cpu_ops import KernelBuildError
-from arborlm.kernels.quant_layout import BLOCK, QuantWeight
+from arborlm.kernels.quant_layout import QuantWeight
 
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "quant_layout.h", CSRC / "quant_linear.cpp", CSRC / "quant_dequant.cpp")
-ABI_VERSION = 1
+ABI_VERSION = 2
 # Rows up to which the int8 kernel runs; more rows dequantize the weight and take
 # oneDNN's bf16 GEMM (see docs/benchmarks.md, "Quantized weights").
 INT8_MAX_ROWS = 64
@@ -48,7 +48,7 @@ _SIGNATURES = {
     "arborlm_quant_abi_version": ((), _int),
     "arborlm_quant_simd": ((), _int),
     "arborlm_quant_linear": ((_ptr, _i64, _int, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64), _int),
-    "arborlm_quant_dequantize": ((_int, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _int), _int),
+    "arborlm_quant_dequantize": ((_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _int), _int),
 }
 
 
@@ -141,9 +141,7 @@ class NativeQuantOps(QuantOps):
         stacked = StackedWeights(weights)
         n = len(weights)
         fmts = (ctypes.c_int32 * n)(*[w.format.code for w in weights])
-        ptrs = (ctypes.c_uint64 * (3 * n))(*[
-            p for w in weights for p in (w.qs.data_ptr(), w.scales.data_ptr(), 0 if w.mins is None else w.mins.data_ptr())
-        ])
+        ptrs = (ctypes.c_uint64 * (6 * n))(*[p for w in weights for p in _array_pointers(w)])
         heights = (ctypes.c_int64 * n)(*[w.out_features for w in weights])
         # The ctypes arrays ride along so that their addresses stay valid.
         addresses = (ctypes.addressof(fmts), ctypes.addressof(ptrs), ctypes.addressof(heights))
@@ -191,15 +189,20 @@ class NativeQuantOps(QuantOps):
 
     def _dequantize_into(self, w: QuantWeight, ids: torch.Tensor | None, num_rows: int, out: torch.Tensor) -> None:
         """Rows `ids` (None = the first num_rows) of w into `out` (num_rows, in), rows contiguous."""
+        arrays = (ctypes.c_uint64 * 6)(*_array_pointers(w))
         status = self.lib.arborlm_quant_dequantize(
-            w.format.code, w.qs.data_ptr(), w.scales.data_ptr(), None if w.mins is None else w.mins.data_ptr(),
-            w.out_features, w.in_features, None if ids is None else ids.data_ptr(), num_rows,
-            out.data_ptr(), out.stride(0), _DTYPE_CODES[out.dtype],
+            w.format.code, ctypes.addressof(arrays), w.out_features, w.in_features,
+            None if ids is None else ids.data_ptr(), num_rows, out.data_ptr(), out.stride(0), _DTYPE_CODES[out.dtype],
         )
         if status == -2:
             raise IndexError(f"token id out of range [0, {w.out_features})")
         if status != 0:
             raise ValueError(f"arborlm_quant_dequantize failed ({status}) for format {w.fmt}")
+
+
+def _array_pointers(w: QuantWeight) -> list[int]:
+    """The addresses of w's six arrays in the kernels' order (0 where the format has none)."""
+    return [0 if t is None else t.data_ptr() for t in w.arrays().values()]
 
 
 def quant_ops(device: torch.device | str, native: bool = True) -> QuantOps:

@@ -1,12 +1,13 @@
 """Torch versions of the quantized kernels: the fallback path and the kernels' oracle.
 
 `dequantize` turns a packed `QuantWeight` back into float values (ggml's
-`dequantize_row_*` math: Q8_0 d * q, Q4_0 d * (q - 8), Q4_1 d * q + m), so
-`quant_linear` is a plain matmul over the dequantized weight; it serves where the
-C++ kernels do not build and for prefills. `quantize_activations` and
-`int8_linear` spell out what the C++ decode kernel computes (activations rounded
-per block of 32 to int8, as ggml's Q8_0), so tests can hold it to float rounding
-rather than to quantization noise.
+`dequantize_row_*` math, the same float operations in the same order: Q8_0 d * q,
+Q4_0 d * (q - 8), Q4_1 d * q + m, Q4_K / Q5_K (d * sc) * q - dmin * m, Q6_K
+(d * sc) * (q - 32)), so `quant_linear` is a plain matmul over the dequantized
+weight; it serves where the C++ kernels do not build and for prefills.
+`quantize_activations` and `int8_linear` spell out what the C++ decode kernel
+computes (activations rounded per block of 32 to int8, as ggml's Q8_0), so tests
+can hold it to float rounding rather than to quantization noise.
 """
 
 from __future__ import annotations
@@ -16,27 +17,51 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from arborlm.kernels.quant_layout import BLOCK, GgmlRows, QuantWeight, unpack_rows
+from arborlm.kernels.ggml_blocks import BLOCK
+from arborlm.kernels.quant_layout import SUPER, QuantWeight, unpack_rows
 
 
-def unpack_quants(weight: QuantWeight, rows: torch.Tensor | None = None) -> GgmlRows:
-    """Rows `rows` (None = all) with the quants in value order: (n, in / 32, 32) int32
-    (uint8 range, before the offset); scales and mins as `unpack_rows`."""
+class WeightTerms(NamedTuple):
+    """A weight's rows as the kernels see them: quants (n, nb, 32) int32 minus the offset,
+    scales (n, nb, 2) float32 per half block, mins (n, nb) float32 added per unit of the
+    block's input sum (Q4_1's m, minus a K-quant's dmin * m; zeros where none)."""
+
+    quants: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+
+
+def weight_terms(weight: QuantWeight, rows: torch.Tensor | None = None) -> WeightTerms:
+    """Rows `rows` ((n,) int64; None = all) of a packed weight as `WeightTerms`."""
+    f = weight.format
     found = unpack_rows(weight, rows)
-    blocks = found.quants.to(torch.int32)
-    if weight.format.nibbles:
-        blocks = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1)
-    return found._replace(quants=blocks)
+    q = found.quants.to(torch.int32)
+    if f.nibbles:
+        q = torch.cat([q & 0x0F, q >> 4], dim=-1)
+    if found.high is not None:
+        q = q | (found.high.to(torch.int32) << 4)
+    d = found.scales.to(torch.float32)
+    if f.k_quant:
+        d = d.repeat_interleave(SUPER, dim=1)  # super-block d per block
+        sub = found.sub_scales.to(torch.float32)
+        scales = d.unsqueeze(-1) * (sub if sub.dim() == 3 else sub.unsqueeze(-1).expand(-1, -1, 2))
+    else:
+        scales = d.unsqueeze(-1).expand(-1, -1, 2)
+    if found.mins is None:
+        mins = torch.zeros(d.shape)
+    elif f.k_quant:
+        mins = -(found.mins.to(torch.float32).repeat_interleave(SUPER, dim=1) * found.sub_mins.to(torch.float32))
+    else:
+        mins = found.mins.to(torch.float32)
+    return WeightTerms(q - f.offset, scales.contiguous(), mins)
 
 
 def dequantize(weight: QuantWeight, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The weight's values, (out_features or len(rows), in_features) in `dtype` (computed in float32)."""
-    found = unpack_quants(weight, rows)
-    q = (found.quants - weight.format.offset).to(torch.float32)
-    values = q * found.scales.to(torch.float32).unsqueeze(-1)
-    if found.mins is not None:
-        values = values + found.mins.to(torch.float32).unsqueeze(-1)
-    return values.reshape(q.shape[0], weight.in_features).to(dtype)
+    terms = weight_terms(weight, rows)
+    per_value = terms.scales.repeat_interleave(BLOCK // 2, dim=-1)  # (n, nb, 32)
+    values = per_value * terms.quants.to(torch.float32) + terms.mins.unsqueeze(-1)
+    return values.reshape(values.shape[0], weight.in_features).to(dtype)
 
 
 def quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -68,18 +93,17 @@ def quantize_activations(x: torch.Tensor) -> QuantizedActivations:
 
 
 def int8_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """What the C++ decode kernel computes, in float64: per block, the integer dot
-    product of the weight's quants with x's int8 quants, times both scales (plus the
-    min times the activation quants' sum). Returns (rows, out_features) float64."""
+    """What the C++ decode kernel computes, in float64: per half block, the integer dot
+    product of the weight's quants with x's int8 quants times both scales, plus the
+    block's min times the activation quants' sum and scale. Returns (rows, out_features) float64."""
     act = quantize_activations(x)
-    w = unpack_quants(weight)
-    q_w = (w.quants - weight.format.offset).to(torch.float64)  # (out, nb, 32)
-    q_a = act.quants.to(torch.float64)  # (rows, nb, 32)
-    dots = torch.einsum("mbi,nbi->mnb", q_a, q_w)
-    d_w = w.scales.to(torch.float64)  # (out, nb)
+    w = weight_terms(weight)
+    q_w = w.quants.to(torch.float64).reshape(*w.quants.shape[:2], 2, BLOCK // 2)  # (out, nb, half, 16)
+    q_a = act.quants.to(torch.float64).reshape(*act.quants.shape[:2], 2, BLOCK // 2)  # (rows, nb, half, 16)
+    dots = torch.einsum("mbhi,nbhi->mnbh", q_a, q_w)
     d_a = act.scales.to(torch.float64)  # (rows, nb)
-    out = (dots * d_w.unsqueeze(0) * d_a.unsqueeze(1)).sum(-1)
-    if weight.mins is not None:
-        sums = q_a.sum(-1) * d_a  # (rows, nb)
-        out = out + sums @ w.mins.to(torch.float64).T
+    out = (dots * w.scales.to(torch.float64).unsqueeze(0)).sum(-1)  # (rows, out, nb)
+    out = (out * d_a.unsqueeze(1)).sum(-1)
+    sums = q_a.sum((-1, -2)) * d_a  # (rows, nb)
+    out = out + sums @ w.mins.to(torch.float64).T
     return out if bias is None else out + bias.to(torch.float64)

@@ -78,7 +78,7 @@ class ModelConfig:
     )
     quantization: str | None = field(
         default=None,
-        metadata={"help": "gguf: serve a GGUF file's Q8_0/Q4_0/Q4_1 tensors as stored (int8 kernels), "
+        metadata={"help": "gguf: serve a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K tensors as stored (int8 kernels), "
                           "none: dequantize to dtype; default gguf for a quantized GGUF file, else none "
                           "(SGLang's --quantization)"},
     )

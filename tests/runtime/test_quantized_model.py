@@ -8,7 +8,8 @@ quantized path computes the same float matmuls over the same dequantized values 
 the "none" path (transformers' conversion of the same file), so prompt logits agree
 within float32 rounding; with the C++ kernels (int8 activations) within their noise.
 
-The default model (SmolLM2-135M-Instruct, Q4_1 + Q8_0): greedy tokens of a few
+A wider tiny Llama holds Q4_K / Q5_K / Q6_K tensors (random blocks: the gguf package has
+no K-quant quantizer). The default model (SmolLM2-135M-Instruct, Q4_1 + Q8_0): greedy tokens of a few
 prompts agree with the dequantized bf16 path for most tokens, and the weights held
 in memory are about the file's size. Refusals: "gguf" for a checkpoint folder or an
 architecture the quantized loader does not name; truncated and corrupt files are a
@@ -52,8 +53,15 @@ QWEN2_TYPES = {
     "token_embd": T.Q4_1, "attn_q": T.Q8_0, "attn_k": T.Q8_0, "attn_v": T.Q8_0, "attn_output": T.Q4_0,
     "ffn_gate": T.Q4_0, "ffn_up": T.Q4_0, "ffn_down": T.Q4_1,
 }
+# K-quants need rows of 256: a wider tiny Llama; gguf has no K-quant quantizer, so these
+# tensors are random blocks with scales that keep the weights about +-0.1.
+K_LLAMA_TYPES = {
+    "token_embd": T.Q6_K, "output": T.Q5_K, "attn_q": T.Q4_K, "attn_k": T.Q5_K, "attn_v": T.Q6_K,
+    "attn_output": T.Q4_K, "ffn_gate": T.Q4_K, "ffn_up": T.Q4_K, "ffn_down": T.Q6_K,
+}
+K_SIZES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
 UNSERVED = {"blk.1.ffn_up.weight": T.Q5_0}  # a type the kernels do not serve: dequantized, logged
-CASES = {"llama": LLAMA_TYPES, "qwen2": QWEN2_TYPES}
+CASES = {"llama": LLAMA_TYPES, "qwen2": QWEN2_TYPES, "llama-k": K_LLAMA_TYPES}
 ARCH_NAMES = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}
 SMOLLM_PROMPTS = [
     "The capital of France is",
@@ -86,6 +94,8 @@ def write_quantized_gguf(model, path: Path, types: dict) -> Path:
         qtype = UNSERVED.get(gguf_name) or (types.get(gguf_name.split(".")[-2]) if data.ndim == 2 else None)
         if qtype is None:
             writer.add_tensor(gguf_name, data)
+        elif qtype in K_SCALES:
+            writer.add_tensor(gguf_name, random_k_blocks(qtype, data.shape, seed=len(writer.tensors[0])), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
@@ -95,12 +105,26 @@ def write_quantized_gguf(model, path: Path, types: dict) -> Path:
     return path
 
 
+# K-quant type -> {byte offset of an fp16 scale in the block: its value}
+K_SCALES = {T.Q4_K: {0: 2e-4, 2: 1.5e-3}, T.Q5_K: {0: 1e-4, 2: 1.5e-3}, T.Q6_K: {208: 2.5e-5}}
+
+
+def random_k_blocks(qtype, shape: tuple[int, int], seed: int) -> np.ndarray:
+    """(rows, row bytes) of random K-quant blocks, their fp16 scales set from `K_SCALES`."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.random.default_rng(seed).integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
+    for at, value in K_SCALES[qtype].items():
+        raw[:, :, at:at + 2] = np.full(raw.shape[:2] + (1,), value, np.float16).view(np.uint8)
+    return raw.reshape(shape[0], -1)
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def tiny_gguf(request, tmp_path_factory):
     """(the GGUF file, the checkpoint folder its "none" path converts it to)."""
     folder = tmp_path_factory.mktemp(f"{request.param}_quantized")
     tied = request.param == "qwen2"
-    reference = tiny_checkpoint(folder / "hf", request.param, tie_word_embeddings=tied)
+    sizes = K_SIZES if request.param == "llama-k" else {}
+    reference = tiny_checkpoint(folder / "hf", request.param.removesuffix("-k"), tie_word_embeddings=tied, **sizes)
     path = write_quantized_gguf(reference, folder / "tiny.gguf", CASES[request.param])
     return path, resolve_checkpoint(str(path), cache_dir=folder / "cache", progress=False)
 
@@ -129,7 +153,8 @@ def test_tiny_gguf_layers_keep_each_shards_format(tiny_gguf):
     if model.tie_word_embeddings:  # the head reads the embedding's packed table
         assert model.lm_head.weights[0] is model.model.embed_tokens.weight
     qkv = [w.fmt for w in layer0.self_attn.qkv_proj.weights]
-    assert qkv == (["q4_0", "q4_1", "q8_0"] if model.config.model_type == "llama" else ["q8_0"])
+    expected = {"qwen2": ["q8_0"], 64: ["q4_0", "q4_1", "q8_0"], 256: ["q4_k", "q5_k", "q6_k"]}
+    assert qkv == expected["qwen2" if model.config.model_type == "qwen2" else model.config.hidden_size]
     assert isinstance(layer0.mlp.gate_up_proj, QuantizedLinear)
     assert not isinstance(layer1.mlp.gate_up_proj, QuantizedLinear)  # its up shard is Q5_0: dequantized
 

@@ -1,6 +1,6 @@
 // The quantized linear layer: out = x W^T (+ bias) for a weight W kept in its GGUF
-// quantization (Q8_0, Q4_0, Q4_1; layout in quant_layout.h), dequantized in
-// registers, never in memory.
+// quantization (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; layout in quant_layout.h),
+// dequantized in registers, never in memory.
 //
 // Why: a decode step reads every weight once for a few rows of activations, so
 // its time is the bytes it streams; a 4-bit weight streams a quarter of bf16's.
@@ -12,8 +12,11 @@
 // lane, so a block's scales apply to 16 rows at once and a tile's outputs leave
 // in one register. Written from the formats' math, not copied.
 //
-//   y[m, n] = sum_b d_w[n,b] d_a[m,b] (sum_i q_w[n,b,i] q_a[m,b,i] - offset s_a[m,b])
-//             + m_w[n,b] d_a[m,b] s_a[m,b]
+//   y[m, n] = sum_b,h d_w[n,b,h] d_a[m,b] (sum_i q_w[n,b,h,i] q_a[m,b,h,i] - offset s_a[m,b,h])
+//             + min_w[n,b] d_a[m,b] (s_a[m,b,0] + s_a[m,b,1])
+//
+// over blocks b of 32 values and their halves h of 16 (only Q6_K's scales differ
+// between the halves; min_w is Q4_1's m or minus a K-quant's dmin m).
 //
 // OpenMP splits the row tiles; each thread streams its tiles' weights once per
 // call, unpacking each block into registers once for up to kRowsPerPass
@@ -41,7 +44,7 @@ namespace {
 // ---- activations -> int8 blocks ---------------------------------------------
 
 // Quantize one row of K values (dtype `dtype`) to int8 blocks, ggml's Q8_0 rule:
-// d = max|x| / 127, q = round(x / d); also the per-block sum of q.
+// d = max|x| / 127, q = round(x / d); also the sums of q per half block.
 void quantize_row(const void* x, int dtype, int64_t K, int8_t* q, float* d, int32_t* s) {
   float v[kBlock];
   for (int64_t b = 0; b < K / kBlock; ++b) {
@@ -51,28 +54,23 @@ void quantize_row(const void* x, int dtype, int64_t K, int8_t* q, float* d, int3
       amax = std::max(amax, std::fabs(v[i]));
     }
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    int32_t sum = 0;
+    int32_t sum[2] = {0, 0};
     for (int64_t i = 0; i < kBlock; ++i) {
       // A NaN activation quantizes to 0 here; its row's output is garbage either way.
       const int32_t qi = static_cast<int32_t>(std::nearbyint(std::min(127.0f, std::max(-127.0f, v[i] * inv))));
       q[b * kBlock + i] = static_cast<int8_t>(qi);
-      sum += qi;
+      sum[i / 16] += qi;
     }
     d[b] = amax / 127.0f;
-    s[b] = sum;
+    s[2 * b] = sum[0];
+    s[2 * b + 1] = sum[1];
   }
 }
 
 struct Activations {
   const int8_t* q;   // (M, K), value order
   const float* d;    // (M, K / 32)
-  const int32_t* s;  // (M, K / 32)
-};
-
-struct Weight {
-  const uint8_t* q;   // (tiles, nb, chunks, 16, 4)
-  const uint16_t* d;  // (tiles, nb, 16) fp16
-  const uint16_t* m;  // the same for Q4_1, else null
+  const int32_t* s;  // (M, K / 32, 2): sums per half block
 };
 
 // Activation rows unpacked against each weight block while it sits in registers.
@@ -83,44 +81,111 @@ inline __m512 load_f16x16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+inline __m512 load_u8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline __m512 load_i8x16(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
 inline int32_t load_i32(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return v;
 }
 
+// Block blk's quants of 16 rows, chunk c's in wq[c] (values 4c..4c+3 of each row) and,
+// for 4-bit formats, wq[c + 4] (values 16 + 4c..): uint8, offset not removed.
+template <int F>
+inline void unpack_block(const Weight& w, int64_t blk, __m512i* wq) {
+  const uint8_t* q = w.q + blk * kTile * block_bytes(F);
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int c = 0; c < (F == kQ8_0 ? 8 : 4); ++c) {
+    const __m512i raw = _mm512_loadu_si512(q + c * 64);
+    if constexpr (F == kQ8_0) {
+      wq[c] = raw;
+    } else {
+      wq[c] = _mm512_and_si512(raw, low);
+      wq[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    }
+  }
+  // Each plane's bits are byte masks of the chunks' nibbles: add 16 (32) where set.
+  for (int p = 0; p < high_planes(F); ++p) {
+    const uint64_t* masks = reinterpret_cast<const uint64_t*>(w.h) + (blk * high_planes(F) + p) * 8;
+    const __m512i bit = _mm512_set1_epi8(static_cast<char>(16 << p));
+    for (int j = 0; j < 8; ++j) {  // j = 2 chunk + half
+      uint64_t mask;
+      std::memcpy(&mask, masks + j, 8);
+      __m512i& v = wq[j / 2 + 4 * (j % 2)];
+      v = _mm512_mask_add_epi8(v, mask, v, bit);
+    }
+  }
+}
+
+// The block's scales of 16 rows per half (equal but for Q6_K) and min per unit input sum.
+struct BlockScales {
+  __m512 d[2];
+  __m512 min;
+};
+
+template <int F>
+inline BlockScales block_scales(const Weight& w, int64_t t, int64_t nb, int64_t b, const __m512& dsup,
+                                const __m512& msup) {
+  const int64_t blk = t * nb + b;
+  BlockScales s;
+  s.min = _mm512_setzero_ps();
+  if constexpr (F == kQ6_K) {
+    s.d[0] = _mm512_mul_ps(dsup, load_i8x16(w.sc + (2 * blk) * kTile));
+    s.d[1] = _mm512_mul_ps(dsup, load_i8x16(w.sc + (2 * blk + 1) * kTile));
+    return s;
+  } else if constexpr (is_k_quant(F)) {
+    s.d[0] = s.d[1] = _mm512_mul_ps(dsup, load_u8x16(w.sc + blk * kTile));
+    s.min = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(msup, load_u8x16(w.sm + blk * kTile)));
+  } else {
+    s.d[0] = s.d[1] = load_f16x16(w.d + blk * kTile);
+    if constexpr (F == kQ4_1) s.min = load_f16x16(w.m + blk * kTile);
+  }
+  return s;
+}
+
 // One 16-row tile x R activation rows: acc[r] lane l = y[m0 + r, 16 t + l].
 template <int F, int R>
 void tile_rows(const Weight& w, int64_t t, int64_t nb, const Activations& a, int64_t K, int64_t m0, __m512* acc) {
-  constexpr int chunks = F == kQ8_0 ? 8 : 4;
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0f);
+  __m512 dsup = _mm512_setzero_ps(), msup = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const int64_t blk = t * nb + b;
-    // The block's quants of 16 rows, unpacked once for the R activation rows.
-    __m512i wq[8];
-    const uint8_t* q = w.q + blk * kTile * block_bytes(F);
-    for (int c = 0; c < chunks; ++c) {
-      const __m512i raw = _mm512_loadu_si512(q + c * 64);
-      if constexpr (F == kQ8_0) {
-        wq[c] = raw;
-      } else {
-        wq[c] = _mm512_and_si512(raw, low);
-        wq[c + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    if constexpr (is_k_quant(F)) {
+      if (b % kSuper == 0) {  // a new super-block: its d (and dmin) for 16 rows
+        const int64_t sup = t * (nb / kSuper) + b / kSuper;
+        dsup = load_f16x16(w.d + sup * kTile);
+        if constexpr (F != kQ6_K) msup = load_f16x16(w.m + sup * kTile);
       }
     }
-    const __m512 dw = load_f16x16(w.d + blk * kTile);
+    __m512i wq[8];
+    unpack_block<F>(w, t * nb + b, wq);
+    const BlockScales sc = block_scales<F>(w, t, nb, b, dsup, msup);
     for (int r = 0; r < R; ++r) {
       const int64_t m = m0 + r;
       const int8_t* x = a.q + m * K + b * kBlock;
-      __m512i dot = _mm512_setzero_si512();
-      for (int c = 0; c < 8; ++c) dot = _mm512_dpbusd_epi32(dot, wq[c], _mm512_set1_epi32(load_i32(x + 4 * c)));
-      const int32_t s = a.s[m * nb + b];
+      const int32_t* s = a.s + (m * nb + b) * 2;
       const __m512 da = _mm512_set1_ps(a.d[m * nb + b]);
-      if constexpr (F != kQ4_1) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(quant_offset(F) * s));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, da), acc[r]);
-      if constexpr (F == kQ4_1) {
-        acc[r] = _mm512_fmadd_ps(load_f16x16(w.m + blk * kTile), _mm512_mul_ps(da, _mm512_set1_ps(float(s))), acc[r]);
+      __m512i dot[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+      for (int c = 0; c < 8; ++c) {  // chunks 0-3 are values 0-15, 4-7 values 16-31
+        dot[c / 4] = _mm512_dpbusd_epi32(dot[c / 4], wq[c], _mm512_set1_epi32(load_i32(x + 4 * c)));
+      }
+      if constexpr (F == kQ6_K) {  // two scales: each half on its own
+        for (int h = 0; h < 2; ++h) {
+          const __m512i q = _mm512_sub_epi32(dot[h], _mm512_set1_epi32(quant_offset(F) * s[h]));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(sc.d[h], da), acc[r]);
+        }
+      } else {
+        __m512i q = _mm512_add_epi32(dot[0], dot[1]);
+        if constexpr (quant_offset(F) != 0) q = _mm512_sub_epi32(q, _mm512_set1_epi32(quant_offset(F) * (s[0] + s[1])));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(sc.d[0], da), acc[r]);
+        if constexpr (F == kQ4_1 || F == kQ4_K || F == kQ5_K) {
+          acc[r] = _mm512_fmadd_ps(sc.min, _mm512_mul_ps(da, _mm512_set1_ps(static_cast<float>(s[0] + s[1]))), acc[r]);
+        }
       }
     }
   }
@@ -165,25 +230,20 @@ void run_tile(const Weight& w, int64_t t, int64_t nb, const Activations& a, int6
   }
 }
 #else
-template <int F>
-inline int32_t weight_quant(const uint8_t* q, int64_t nb, int64_t n, int64_t b, int64_t i) {
-  const uint8_t byte = q[quant_byte_offset(F, nb, n, b, F == kQ8_0 ? i : i % 16)];
-  if constexpr (F == kQ8_0) return byte;
-  return i < 16 ? (byte & 0x0f) : (byte >> 4);
-}
-
 // The same sums in scalar code, one output at a time.
 template <int F>
 float dot(const Weight& w, int64_t n, int64_t nb, const Activations& a, int64_t m, int64_t K) {
   float acc = 0.0f;
   for (int64_t b = 0; b < nb; ++b) {
-    int32_t sum = 0;
-    for (int64_t i = 0; i < kBlock; ++i) sum += weight_quant<F>(w.q, nb, n, b, i) * a.q[m * K + b * kBlock + i];
-    const int32_t s = a.s[m * nb + b];
+    const int32_t* s = a.s + (m * nb + b) * 2;
     const float da = a.d[m * nb + b];
-    sum -= quant_offset(F) * s;
-    acc += static_cast<float>(sum) * (f16_to_f32(w.d[scale_offset(nb, n, b)]) * da);
-    if constexpr (F == kQ4_1) acc += f16_to_f32(w.m[scale_offset(nb, n, b)]) * (da * static_cast<float>(s));
+    for (int h = 0; h < 2; ++h) {
+      int32_t sum = 0;
+      for (int64_t i = 16 * h; i < 16 * h + 16; ++i) sum += quant_at<F>(w, nb, n, b, i) * a.q[m * K + b * kBlock + i];
+      sum -= quant_offset(F) * s[h];
+      acc += static_cast<float>(sum) * (scale_at<F>(w, nb, n, b, h) * da);
+    }
+    acc += min_at<F>(w, nb, n, b) * (da * static_cast<float>(s[0] + s[1]));
   }
   return acc;
 }
@@ -219,11 +279,44 @@ void matmul(const Activations& a, int64_t M, int64_t K, const Weight& w, int64_t
   }
 }
 
+int matmul_format(int fmt, const Activations& a, int64_t M, int64_t K, const Weight& w, int64_t N, const void* bias,
+                  void* out, int64_t ldo, int dtype) {
+  switch (fmt) {
+    case kQ8_0: matmul<kQ8_0>(a, M, K, w, N, bias, out, ldo, dtype); return 0;
+    case kQ4_0: matmul<kQ4_0>(a, M, K, w, N, bias, out, ldo, dtype); return 0;
+    case kQ4_1: matmul<kQ4_1>(a, M, K, w, N, bias, out, ldo, dtype); return 0;
+    case kQ4_K: matmul<kQ4_K>(a, M, K, w, N, bias, out, ldo, dtype); return 0;
+    case kQ5_K: matmul<kQ5_K>(a, M, K, w, N, bias, out, ldo, dtype); return 0;
+    case kQ6_K: matmul<kQ6_K>(a, M, K, w, N, bias, out, ldo, dtype); return 0;
+    default: return -1;
+  }
+}
+
+// The activations of a call, quantized into the calling thread's buffers (kept between calls).
+Activations quantize_activations(const void* x, int64_t ldx, int dtype, int64_t M, int64_t K) {
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> d;
+  thread_local std::vector<int32_t> s;
+  const int64_t nb = K / kBlock, elem = dtype == kF32 ? 4 : 2;
+  q.resize(static_cast<size_t>(M * K));
+  d.resize(static_cast<size_t>(M * nb));
+  s.resize(static_cast<size_t>(M * nb * 2));
+  // Plain pointers: inside the parallel loop `q` would name each OpenMP thread's own buffer.
+  int8_t* qp = q.data();
+  float* dp = d.data();
+  int32_t* sp = s.data();
+#pragma omp parallel for schedule(static) if (M * K >= (1 << 15))
+  for (int64_t m = 0; m < M; ++m) {
+    quantize_row(static_cast<const char*>(x) + m * ldx * elem, dtype, K, qp + m * K, dp + m * nb, sp + m * nb * 2);
+  }
+  return Activations{qp, dp, sp};
+}
+
 }  // namespace
 
 extern "C" {
 
-int arborlm_quant_abi_version() { return 1; }
+int arborlm_quant_abi_version() { return 2; }
 
 // 1 when this build runs the AVX-512 VNNI loops, 0 for the scalar ones.
 int arborlm_quant_simd() {
@@ -234,60 +327,28 @@ int arborlm_quant_simd() {
 #endif
 }
 
-// Quantize x (M, K) of dtype `dtype` (row stride ldx elements; K a multiple of 32)
-// into the activation buffers: aq (M, K) int8, ad (M, K/32) float32, as (M, K/32) int32.
-void arborlm_quant_activations(const void* x, int64_t ldx, int dtype, int64_t M, int64_t K, int8_t* aq, float* ad,
-                               int32_t* as) {
-  const int64_t nb = K / kBlock, elem = dtype == kF32 ? 4 : 2;
-#pragma omp parallel for schedule(static) if (M * K >= (1 << 15))
-  for (int64_t m = 0; m < M; ++m) {
-    quantize_row(static_cast<const char*>(x) + m * ldx * elem, dtype, K, aq + m * K, ad + m * nb, as + m * nb);
-  }
-}
-
-// out (M, N) of dtype `dtype` (row stride ldo elements) = activations . W^T (+ bias,
-// (N,) of `dtype`, or null). W: N rows (padded to tiles of 16) of K / 32 blocks of
-// format `fmt` (quant_layout.h): wq uint8, wd fp16, wm fp16 for Q4_1 (else null).
-// Returns 0, or -1 for an unknown format.
-int arborlm_quant_matmul(int fmt, const int8_t* aq, const float* ad, const int32_t* as, int64_t M, int64_t K,
-                         const uint8_t* wq, const uint16_t* wd, const uint16_t* wm, int64_t N, const void* bias,
-                         void* out, int64_t ldo, int dtype) {
-  const Activations a{aq, ad, as};
-  const Weight w{wq, wd, wm};
-  switch (fmt) {
-    case kQ8_0: matmul<kQ8_0>(a, M, K, w, N, bias, out, ldo, dtype); return 0;
-    case kQ4_0: matmul<kQ4_0>(a, M, K, w, N, bias, out, ldo, dtype); return 0;
-    case kQ4_1: matmul<kQ4_1>(a, M, K, w, N, bias, out, ldo, dtype); return 0;
-    default: return -1;
-  }
-}
-
-// The whole layer in one call (what `quant_ops.NativeQuantOps.linear` calls, once
-// per projection): quantize x (M, K) of dtype `dtype` (row stride ldx) once, then
-// for each of `num_parts` weights stacked by rows (formats fmts[p], arrays
-// ptrs[3p..3p+2] = wq, wd, wm (0 if none), heights Ns[p]) write its columns of out
-// (M, sum Ns) of `dtype` (row stride ldo), adding its slice of bias (null = none).
-// The activation buffers are the calling thread's, kept between calls.
-// Returns 0, or -1 for an unknown format (nothing is written past the parts before it).
+// The whole layer in one call (what `quant_ops.NativeQuantOps.linear` calls, once per
+// projection): quantize x (M, K) of dtype `dtype` (row stride ldx elements; K a
+// multiple of 32) once, then for each of `num_parts` weights stacked by rows (format
+// fmts[p], its arrays ptrs[6p..6p+5] = qs, scales, mins, highbits, sub_scales,
+// sub_mins (0 where the format has none; quant_layout.h), Ns[p] rows) write its
+// columns of out (M, sum Ns) of `dtype` (row stride ldo), adding its slice of bias
+// ((sum Ns,) of `dtype`, or null). Returns 0, or -1 for an unknown format (the parts
+// before it are written).
 int arborlm_quant_linear(const void* x, int64_t ldx, int dtype, int64_t M, int64_t K, int64_t num_parts,
                          const int32_t* fmts, const uint64_t* ptrs, const int64_t* Ns, const void* bias, void* out,
                          int64_t ldo) {
-  thread_local std::vector<int8_t> aq;
-  thread_local std::vector<float> ad;
-  thread_local std::vector<int32_t> as;
-  const int64_t nb = K / kBlock;
-  aq.resize(static_cast<size_t>(M * K));
-  ad.resize(static_cast<size_t>(M * nb));
-  as.resize(static_cast<size_t>(M * nb));
-  arborlm_quant_activations(x, ldx, dtype, M, K, aq.data(), ad.data(), as.data());
+  const Activations a = quantize_activations(x, ldx, dtype, M, K);
   const int64_t elem = dtype == kF32 ? 4 : 2;
   int64_t col = 0;
   for (int64_t p = 0; p < num_parts; ++p) {
+    const uint64_t* arrays = ptrs + 6 * p;
+    const Weight w{reinterpret_cast<const uint8_t*>(arrays[0]), reinterpret_cast<const uint16_t*>(arrays[1]),
+                   reinterpret_cast<const uint16_t*>(arrays[2]), reinterpret_cast<const uint8_t*>(arrays[3]),
+                   reinterpret_cast<const uint8_t*>(arrays[4]), reinterpret_cast<const uint8_t*>(arrays[5])};
     const char* part_bias = bias == nullptr ? nullptr : static_cast<const char*>(bias) + col * elem;
-    const int status = arborlm_quant_matmul(
-        fmts[p], aq.data(), ad.data(), as.data(), M, K, reinterpret_cast<const uint8_t*>(ptrs[3 * p]),
-        reinterpret_cast<const uint16_t*>(ptrs[3 * p + 1]), reinterpret_cast<const uint16_t*>(ptrs[3 * p + 2]),
-        Ns[p], part_bias, static_cast<char*>(out) + col * elem, ldo, dtype);
+    const int status = matmul_format(fmts[p], a, M, K, w, Ns[p], part_bias, static_cast<char*>(out) + col * elem,
+                                     ldo, dtype);
     if (status != 0) return status;
     col += Ns[p];
   }

@@ -37,13 +37,17 @@ from arborlm.kernels.quant_ops import QuantOps
 from arborlm.runtime.layers.linear import Linear, MergedLinear
 from arborlm.runtime.layers.quantization.gguf_file import GGUFFile, GGUFTensorInfo
 from arborlm.runtime.layers.quantization.gguf_names import hf_name, hf_row_order, is_ignored
-from arborlm.runtime.layers.quantization.quant_linear import WHOLE, QuantizedEmbedding, QuantizedLinear
+from arborlm.runtime.layers.quantization.quant_linear import (
+    WHOLE,
+    QuantizedEmbedding,
+    QuantizedLinear,
+)
 from arborlm.runtime.layers.vocab_embedding import VocabEmbedding
 
 logger = logging.getLogger(__name__)
 
 # ggml type id (GGMLQuantizationType) -> our packed format (kernels/quant_layout.py).
-SERVED_TYPES = {8: "q8_0", 2: "q4_0", 3: "q4_1"}
+SERVED_TYPES = {8: "q8_0", 2: "q4_0", 3: "q4_1", 12: "q4_k", 13: "q5_k", 14: "q6_k"}
 
 
 @dataclass

@@ -123,7 +123,7 @@ class QuantizedLinear(nn.Module):
         """Serve `weights` (stacked by rows; a tied head passes the embedding's table)."""
         self.weights = self.ops.prepare(weights)
         for i, w in enumerate(weights):
-            for kind, tensor in zip(("qs", "scales", "mins"), w.tensors()):
+            for kind, tensor in w.arrays().items():
                 self.register_buffer(f"{kind}_{i}", tensor, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -162,8 +162,8 @@ class QuantizedEmbedding(nn.Module):
                 f"weight {name!r} has shape {(weight.out_features, weight.in_features)}, expected {expected}"
             )
         self.weight = weight
-        for kind, tensor in zip(("qs", "scales", "mins"), weight.tensors()):
-            self.register_buffer(f"{kind}", tensor, persistent=False)
+        for kind, tensor in weight.arrays().items():
+            self.register_buffer(kind, tensor, persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.ops.embedding(self.weight, input_ids, self.dtype)
