@@ -74,7 +74,7 @@ struct Activations {
 };
 
 // Activation rows unpacked against each weight block while it sits in registers.
-constexpr int kRowsPerPass = 4;
+constexpr int kRowsPerPass = 8;
 
 #if defined(ARBORLM_QUANT_AVX512)
 inline __m512 load_f16x16(const uint16_t* p) {
@@ -271,6 +271,10 @@ void matmul(const Activations& a, int64_t M, int64_t K, const Weight& w, int64_t
       run_tile<F, kRowsPerPass>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype);
     }
     switch (M - m0) {
+      case 7: run_tile<F, 7>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+      case 6: run_tile<F, 6>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+      case 5: run_tile<F, 5>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+      case 4: run_tile<F, 4>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
       case 3: run_tile<F, 3>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
       case 2: run_tile<F, 2>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
       case 1: run_tile<F, 1>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
