@@ -23,6 +23,7 @@ from jsonschema import validators as js_validators
 from arborlm.constrained.json_schema import (
     OUTLINES_POLICY,
     XGRAMMAR_POLICY,
+    PreparedSchema,
     prepare_json_schema,
     validate_json_output,
 )
@@ -124,6 +125,10 @@ CRASHES = {
     # a JSON pointer through a boolean schema, or with a word as an array index: TypeError, ValueError
     "$ref through a boolean": {"$defs": {"d0": True}, "$ref": "#/$defs/d0/properties/a"},
     "$ref with a word as an index": {"$defs": {"d0": {"anyOf": [{}]}}, "$ref": "#/$defs/d0/anyOf/x"},
+    # a $ref that phase A does not follow (an `if` without `then`), but the output validation does:
+    # jsonschema's Unresolvable escaped validate_json_output
+    "unresolvable $ref under a lone if": {"if": {"const": None, "$ref": "#a"}},
+    "unresolvable $ref under contains with minContains 0": {"contains": {"$ref": "#/nope"}, "minContains": 0},
     # nested deeper than Python's stack allows the phases: RecursionError
     "nested 300 arrays deep": json.loads('{"type":"array","items":' * 300 + "{}" + "}" * 300),
     "nested 100 objects deep": json.loads('{"type":"object","properties":{"a":' * 100 + "{}" + "}}" * 100),
@@ -142,6 +147,12 @@ def test_an_output_whose_validation_never_ends_is_reported():
               "if": {"$dynamicRef": "#", "maxItems": 1}}
     prepared = prepare_json_schema(schema, lenient=True)
     assert "recurses without end" in validate_json_output(prepared, '{"a": []}')
+
+
+def test_output_validation_reports_what_the_validator_raises():
+    """It runs on the front's event loop: a schema jsonschema cannot follow is a message, not a raise."""
+    prepared = PreparedSchema("{}", json.dumps({"if": {"$ref": "#a"}}, sort_keys=True))
+    assert "could not be validated" in validate_json_output(prepared, "1")
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.backend)

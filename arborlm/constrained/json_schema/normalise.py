@@ -138,6 +138,7 @@ class Normaliser:
             A ``$ref`` cannot be resolved inside the document, or a cycle of
             references never reaches a schema.
         """
+        self._check_references()
         root_a = self.node(self.root, self.root_resolver, "")
         self._close_defs(root_a)
         return root_a
@@ -180,25 +181,10 @@ class Normaliser:
 
     def hoist(self, ref: str, resolver: Any, path: str) -> Schema:
         """``{"$ref": "#/$defs/<name>"}`` for the target of ``ref`` (or the boolean it names)."""
-        try:
-            resolved = resolver.lookup(ref)
-        except Unresolvable as e:
-            why = {"PointerToNowhere": "no such location in the schema", "NoSuchAnchor": "no such anchor"}
-            raise GrammarError(f"json_schema: $ref {ref!r} at {path or '/'} cannot be resolved: "
-                               f"{why.get(type(e).__name__, 'not inside the schema (remote references are not fetched)')}",
-                               PARAM) from e
-        except (TypeError, ValueError) as e:  # `referencing` walking a pointer through a boolean, or "x" as an index
-            raise GrammarError(f"json_schema: $ref {ref!r} at {path or '/'} cannot be resolved: "
-                               "no such location in the schema", PARAM) from e
+        resolved = self._lookup(ref, resolver, path)
         target = resolved.contents
         if isinstance(target, bool):
             return {} if target else False
-        if not isinstance(target, dict) or id(target) not in self.paths:
-            raise GrammarError(
-                f"json_schema: $ref {ref!r} at {path or '/'} points outside the schema; "
-                "only references inside the schema document are supported",
-                PARAM,
-            )
         name = self.def_names.get(id(target))
         if name is None:
             target_path = self.paths[id(target)]
@@ -210,6 +196,48 @@ class Normaliser:
             self.def_names[id(target)] = name
             self.targets[name] = (target, resolved.resolver, target_path)
         return {"$ref": DEFS_PREFIX + name}
+
+    def _lookup(self, ref: str, resolver: Any, path: str) -> Any:
+        """The resolved target of ``ref``: a boolean, or a schema object of this document.
+
+        Raises
+        ------
+        GrammarError
+            It cannot be resolved, or it points outside the document.
+        """
+        try:
+            resolved = resolver.lookup(ref)
+        except Unresolvable as e:
+            why = {"PointerToNowhere": "no such location in the schema", "NoSuchAnchor": "no such anchor"}
+            raise GrammarError(f"json_schema: $ref {ref!r} at {path or '/'} cannot be resolved: "
+                               f"{why.get(type(e).__name__, 'not inside the schema (remote references are not fetched)')}",
+                               PARAM) from e
+        except (TypeError, ValueError) as e:  # `referencing` walking a pointer through a boolean, or "x" as an index
+            raise GrammarError(f"json_schema: $ref {ref!r} at {path or '/'} cannot be resolved: "
+                               "no such location in the schema", PARAM) from e
+        target = resolved.contents
+        if not isinstance(target, bool) and (not isinstance(target, dict) or id(target) not in self.paths):
+            raise GrammarError(
+                f"json_schema: $ref {ref!r} at {path or '/'} points outside the schema; "
+                "only references inside the schema document are supported",
+                PARAM,
+            )
+        return resolved
+
+    def _check_references(self) -> None:
+        """Resolve every ``$ref`` of the document, also those in subschemas phase A leaves out
+        (an ``if`` without ``then`` or ``else``), which the output validation still follows.
+
+        Raises GrammarError as `_lookup`, for the first that fails.
+        """
+        todo = [(self.spec.create_resource(self.root), self.root_resolver)]
+        while todo:
+            resource, resolver = todo.pop()
+            resolver = resolver.in_subresource(resource)
+            contents = resource.contents
+            if isinstance(contents, dict) and isinstance(contents.get("$ref"), str):
+                self._lookup(contents["$ref"], resolver, self.paths.get(id(contents), ""))
+            todo.extend((sub, resolver) for sub in resource.subresources())
 
     def def_a(self, name: str) -> Schema:
         """Phase A form of a hoisted target (or of a deferred conjunction), computed once."""

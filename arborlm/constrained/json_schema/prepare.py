@@ -149,10 +149,10 @@ def _too_deep_message(error: BaseException) -> str:
     deepest frame that has one says where the rewrite gave up.
     """
     paths = [frame.f_locals.get("path") for frame, _ in traceback.walk_tb(error.__traceback__)]
-    paths = [p for p in paths if isinstance(p, str)]
+    paths = [p for p in paths if isinstance(p, str) and (p == "" or p.startswith("/"))]
     where = f" (it gave up at {shorten(paths[-1] or '/', 200)})" if paths else ""
-    return ("json_schema: its references nest or recurse further than the schema rewrite can follow"
-            f"{where}; write the recursion through fewer combined $refs")
+    return ("json_schema nests or recurses further than the schema rewrite can follow (deeply nested "
+            f"regex groups, or $refs combined one inside the other){where}")
 
 
 def _refusal_message(problems: list[Problem]) -> str:

@@ -59,7 +59,8 @@ def validate_json_output(prepared: PreparedSchema, text: str,
         Infinity) that the original schema accepts under its dialect, without
         a format checker; else a short message: the parse error, the first
         validation error and the JSON pointer of the failing part of the
-        output, or the pattern whose matching outlived ``regex_budget_s``.
+        output, the pattern whose matching outlived ``regex_budget_s``, or
+        why the validator failed (a schema that recurses without end).
     """
     try:
         instance = strict_json_loads(text)
@@ -71,11 +72,12 @@ def validate_json_output(prepared: PreparedSchema, text: str,
     except PatternTimeout as e:
         return (f"output could not be validated: matching the pattern {shorten(repr(e.pattern), 100)} "
                 f"took longer than {e.budget_s:g} s")
-    except BaseException as e:  # noqa: BLE001 — only running out of stack is caught
-        # A schema that applies itself to the same value (`if: {"$dynamicRef": "#"}`) never ends.
-        if not ran_out_of_stack(e):
-            raise
-        return "output could not be validated: the JSON schema recurses without end"
+    except BaseException as e:  # noqa: BLE001 — this runs on the front's event loop: it reports, never raises
+        if ran_out_of_stack(e):  # a schema that applies itself to the same value (`if: {"$dynamicRef": "#"}`)
+            return "output could not be validated: the JSON schema recurses without end"
+        if not isinstance(e, Exception):
+            raise  # KeyboardInterrupt, SystemExit
+        return f"output could not be validated: {type(e).__name__}: {shorten(str(e), 200)}"
     if error is None:
         return None
     where = json_pointer(error.absolute_path) or "/"
