@@ -159,6 +159,18 @@ def test_tiny_gguf_layers_keep_each_shards_format(tiny_gguf):
     assert not isinstance(layer1.mlp.gate_up_proj, QuantizedLinear)  # its up shard is Q5_0: dequantized
 
 
+def test_tiny_gguf_needs_only_a_config_folder(tiny_gguf, tmp_path):
+    """Served from the file, a GGUF needs no dequantized copy: the folder holds config and tokenizer."""
+    path, converted = tiny_gguf
+    folder = resolve_checkpoint(str(path), cache_dir=tmp_path, progress=False, weights=False)
+    assert folder.name.endswith("-config") and (folder / "config.json").is_file()
+    assert not list(folder.glob("*.safetensors"))
+    alone = load_model(folder, torch.float32, torch.device("cpu"), cpu_kernels=False, gguf_file=path)
+    full = load_model(converted, torch.float32, torch.device("cpu"), cpu_kernels=False, gguf_file=path)
+    assert alone.architecture == full.architecture
+    torch.testing.assert_close(prompt_logits(alone), prompt_logits(full), atol=0, rtol=0)
+
+
 def test_tiny_gguf_native_kernels_within_int8_noise(tiny_gguf):
     path, converted = tiny_gguf
     quantized = prompt_logits(load_model(converted, torch.float32, torch.device("cpu"), gguf_file=path))
