@@ -11,7 +11,7 @@ the next compile.
 
 Wire format, both ways over the child's stdin and stdout: an 8-byte big-endian
 length, then that many bytes of pickle. Requests: the setup message
-``(module, class qualname, args, kwargs)``, then ``("compile", kind, text)``.
+``(module, class qualname, args, kwargs)``, then ``("compile", GrammarKey)``.
 Replies: ``("ready",)`` or ``("setup_failed", traceback)``, then per compile
 ``("ok", payload, compile_s)``, ``("error", message, param)`` (a
 `GrammarError`) or ``("failed", "Type: message")``. The payload is
@@ -169,7 +169,7 @@ class CompileWorker:
                 raise WorkerSetupError(f"the grammar compile worker could not build the backend:\n{reply[1]}")
             self._ready = True
         try:
-            _write_message(proc.stdin.fileno(), pickle.dumps(("compile", job.key.kind, job.key.text)))
+            _write_message(proc.stdin.fileno(), pickle.dumps(("compile", job.key)))
         except (OSError, ValueError):
             pass  # it died since (or was closed); the read below says how
         return self._receive(job, proc)
@@ -317,14 +317,14 @@ def main() -> None:
     except BaseException:  # noqa: BLE001 — reported to the parent
         _reply(reply_fd, ("setup_failed", traceback.format_exc()))
         return
-    from arborlm.constrained.keys import GrammarError, GrammarKey
+    from arborlm.constrained.keys import GrammarError
 
     _reply(reply_fd, ("ready",))
     while True:
-        _, kind, text = pickle.loads(inbox.get())
+        _, key = pickle.loads(inbox.get())
         start = time.perf_counter()
         try:
-            payload = backend.compile_serialized(GrammarKey(kind, text))
+            payload = backend.compile_serialized(key)
             reply = pickle.dumps(("ok", payload, time.perf_counter() - start), protocol=pickle.HIGHEST_PROTOCOL)
         except GrammarError as e:
             reply = pickle.dumps(("error", e.message, e.param))

@@ -8,7 +8,7 @@ those whose grammar is ready and aborts those whose grammar failed or took
 longer than ``grammar_compile_timeout``. With nothing else to do it blocks in
 `GrammarManager.wait_any`.
 
-Compiled grammars are cached by (backend name, kind, text), least recently used
+Compiled grammars are cached by (backend name, kind, text, lenient), least recently used
 first out, so a schema used by many requests compiles once.
 
 Where compiling runs. xgrammar's and outlines-core's compilers are C++/Rust
@@ -245,7 +245,7 @@ class GrammarManager:
         RuntimeError
             After `shutdown`.
         """
-        cache_key = (self.backend.name, key.kind, key.text)
+        cache_key = self._cache_key(key)
         deadline = time.monotonic() + self.compile_timeout
         with self._lock:
             if self._closed:
@@ -412,8 +412,11 @@ class GrammarManager:
             f"grammar_compile_timeout={self.compile_timeout:g} s still run and cannot be stopped; "
             f"the {key.kind} grammar was not compiled, retry later", key.param)
 
+    def _cache_key(self, key: GrammarKey) -> tuple[str, str, str, bool]:
+        return (self.backend.name, key.kind, key.text, key.lenient)
+
     def _uncache(self, job: CompileJob) -> None:
-        cache_key = (self.backend.name, job.key.kind, job.key.text)
+        cache_key = self._cache_key(job.key)
         if self._cache.get(cache_key) is job:
             del self._cache[cache_key]
 

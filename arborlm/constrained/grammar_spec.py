@@ -93,7 +93,8 @@ def _spec(params: SamplingParams, backend: str) -> GrammarSpec | None:
             return GrammarSpec(GrammarKey("json_object", ""))
         policy = backend_class(backend).schema_policy
         prepared = prepare_json_schema(params.json_schema, lenient=params.json_schema_lenient, policy=policy)
-        return GrammarSpec(GrammarKey("json_schema", prepared.text), prepared, tuple(prepared.dropped))
+        key = GrammarKey("json_schema", prepared.text, lenient=params.json_schema_lenient)
+        return GrammarSpec(key, prepared, tuple(prepared.dropped))
     if params.regex is not None:
         return GrammarSpec(GrammarKey("regex", params.regex))
     if params.ebnf is not None:

@@ -34,10 +34,13 @@ class GrammarKey:
     kind: one of `GRAMMAR_KINDS`.
     text: the grammar source (a JSON schema serialised with sorted keys, a
         regex, an EBNF/GBNF grammar, a structural-tag JSON); "" for json_object.
+    lenient: a `json_schema_lenient` schema: besides dropping what a backend cannot
+        enforce, it lifts the default bound on number literals' digits (`number_bounds`).
     """
 
     kind: str
     text: str
+    lenient: bool = False
 
     @property
     def param(self) -> str:

@@ -361,7 +361,7 @@ def _regex_of(key: GrammarKey) -> str:
         regex = build_regex_from_schema(text, whitespace_pattern=JSON_WHITESPACE)
     except (ValueError, TypeError) as e:
         raise GrammarError(f"outlines-core cannot enforce this JSON schema: {_first_line(e)}", key.param) from e
-    return bound_regex_digits(regex, INTEGER, NUMBER)
+    return regex if key.lenient else bound_regex_digits(regex, INTEGER, NUMBER)
 
 
 def _build_index(key: GrammarKey, regex: str, vocabulary: outlines_core.Vocabulary) -> outlines_core.Index:

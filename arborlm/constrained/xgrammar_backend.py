@@ -235,7 +235,7 @@ class XGrammarBackend(GrammarBackend):
         if key.kind not in self.kinds:
             self.check(key)  # raises the unsupported-kind error
         grammar = build_grammar(key)
-        if key.kind in ("json_schema", "json_object"):
+        if key.kind in ("json_schema", "json_object") and not key.lenient:
             grammar = bound_number_digits(grammar)
         jump_forward = can_always_finish(key, grammar)
         try:

@@ -14,6 +14,7 @@ import xgrammar as xgr
 from outlines_core.json_schema import INTEGER, NUMBER, build_regex_from_schema
 
 from arborlm.constrained.base import GrammarKey, allocate_vocab_mask
+from arborlm.constrained.grammar_spec import grammar_spec_from_params
 from arborlm.constrained.number_bounds import (
     MAX_EXPONENT_DIGITS,
     MAX_FRACTION_DIGITS,
@@ -24,6 +25,7 @@ from arborlm.constrained.number_bounds import (
 )
 from arborlm.constrained.outlines_backend import OutlinesBackend
 from arborlm.constrained.xgrammar_backend import XGrammarBackend, bound_number_digits
+from arborlm.sampling_params import SamplingParams
 
 VOCAB_SIZE = 49152
 POPULATION = json.dumps({"type": "object", "properties": {"population": {"type": "integer"}},
@@ -121,3 +123,15 @@ def test_one_sided_ranges_are_bounded(backends, tokenizer, schema):
     matcher = backends["xgrammar"].compile(GrammarKey("json_schema", json.dumps(schema))).new_matcher()
     drive(matcher, tokenizer, str(2**63 - 1))
     assert not {t for t in allowed_texts(matcher, tokenizer) if t[:1].isdigit()}
+
+
+@pytest.mark.parametrize("name", ["xgrammar", "outlines"])
+def test_lenient_mode_lifts_the_digit_bound(backends, tokenizer, name):
+    """`json_schema_lenient` lifts the default digit bound (issue 16: "the lenient mode lifts it")."""
+    key = grammar_spec_from_params(SamplingParams(json_schema=POPULATION, json_schema_lenient=True), name).key
+    assert key.lenient
+    matcher = backends[name].compile(key).new_matcher()
+    drive(matcher, tokenizer, '{"population": ' + "1" * (3 * MAX_INTEGER_DIGITS))
+    assert "1" in allowed_texts(matcher, tokenizer)
+    strict = grammar_spec_from_params(SamplingParams(json_schema=POPULATION), name).key
+    assert not strict.lenient and strict != key  # compiled and cached apart
