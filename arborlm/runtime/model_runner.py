@@ -16,7 +16,12 @@ from arborlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPool, Token
 from arborlm.runtime.config import ServerArgs
 from arborlm.runtime.forward_batch_info import ForwardBatch, LogitsOutput
 from arborlm.runtime.io_struct import ModelInfo
-from arborlm.runtime.model_loader import load_model, resolve_checkpoint, resolve_dtype, resolve_quantization
+from arborlm.runtime.model_loader import (
+    load_model,
+    resolve_checkpoint,
+    resolve_dtype,
+    resolve_quantization,
+)
 
 logger = logging.getLogger(__name__)
 
