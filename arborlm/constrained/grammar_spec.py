@@ -16,6 +16,7 @@ leaves a prefix that is not validated (see `GrammarSpec.validate_output`).
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 
 from arborlm.constrained.json_schema import (
@@ -27,6 +28,8 @@ from arborlm.constrained.keys import ANY_JSON, GrammarError, GrammarKey
 from arborlm.constrained.regex_constraint import validate_regex_output
 from arborlm.constrained.registry import backend_class
 from arborlm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -87,12 +90,30 @@ def grammar_spec_from_params(params: SamplingParams, backend: str) -> GrammarSpe
     return spec
 
 
+def _prepare_or_refuse(params: SamplingParams, policy):
+    """`prepare_json_schema`, with any failure it did not foresee refused as a 400.
+
+    A schema valid under draft 2020-12 must never give a 5xx (issue 16): a value no
+    phase expected (a bound of ``1e999`` overflowing an int conversion, say) ends as
+    a `GrammarError` naming the exception's kind, and the log has the traceback.
+    """
+    try:
+        return prepare_json_schema(params.json_schema, lenient=params.json_schema_lenient, policy=policy)
+    except GrammarError:
+        raise
+    except (ArithmeticError, ValueError, TypeError, KeyError, IndexError, RecursionError) as e:
+        logger.warning("json_schema preparation failed unexpectedly", exc_info=e)
+        raise GrammarError(
+            f"json_schema cannot be prepared: a value in it is out of what arborlm can enforce "
+            f"({type(e).__name__})", "json_schema") from e
+
+
 def _spec(params: SamplingParams, backend: str) -> GrammarSpec | None:
     if params.json_schema is not None:
         if params.json_schema == ANY_JSON:
             return GrammarSpec(GrammarKey("json_object", ""))
         policy = backend_class(backend).schema_policy
-        prepared = prepare_json_schema(params.json_schema, lenient=params.json_schema_lenient, policy=policy)
+        prepared = _prepare_or_refuse(params, policy)
         key = GrammarKey("json_schema", prepared.text, lenient=params.json_schema_lenient)
         return GrammarSpec(key, prepared, tuple(prepared.dropped))
     if params.regex is not None:

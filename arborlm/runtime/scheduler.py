@@ -48,7 +48,10 @@ logger = logging.getLogger(__name__)
 GRAMMAR_POLL_S = 0.005
 # What a client reads when its step failed: the exception itself goes to the log only.
 STEP_FAILED_MESSAGE = "internal error: the step running this request failed (details are in the server log)"
-NON_FINITE_MESSAGE = "internal error: the model produced non-finite logits for this request"
+# All-masked rows land here too: a grammar that allows no token (a request's own stop id held
+# back where the grammar needs it as text, say), not only NaN/inf logits.
+NON_FINITE_MESSAGE = ("the request could not continue: no token had a finite probability "
+                      "(non-finite logits, or a constraint that allows no token here)")
 
 
 class Scheduler:
@@ -196,7 +199,8 @@ class Scheduler:
                 compiled = pending.result(now)
             except GrammarError as e:
                 self.stats["num_grammar_failures"] += 1
-                req.finish_reason = {"type": "abort", "message": e.message, "param": e.param or pending.key.param}
+                req.finish_reason = {"type": "abort", "message": e.message, "param": e.param or pending.key.param,
+                                     "code": getattr(e, "code", None)}  # server_overloaded: a 503, not a 400
                 self.pending_outputs.append(self.output_processor.make_output(req, []))
                 continue
             if compiled is None:

@@ -518,7 +518,10 @@ class TokenizerManager:
 
 
 def _raise_if_rejected(out: ReqOutput) -> None:
-    """The scheduler refused the request (its grammar failed to compile): a 400-style error."""
+    """The scheduler refused the request: its grammar failed to compile (a 400-style error), or
+    compiles are overloaded (`GrammarCompilesOverloaded`, code server_overloaded: a 503)."""
     reason = out.finish_reason
     if reason and reason.get("type") == "abort" and reason.get("param") is not None:
+        if reason.get("code") == "server_overloaded":
+            raise ServerOverloadedError(reason["message"])
         raise InvalidRequestError(reason["message"], param=reason["param"])

@@ -515,3 +515,22 @@ def test_schema_over_the_size_limit_is_refused_before_any_work(as_text):
     assert info.value.param == "json_schema" and f"the limit is {MAX_SCHEMA_CHARS}" in info.value.message
     small = {"type": "string", "enum": values[:1000]}
     assert json.loads(prepare_json_schema(json.dumps(small) if as_text else small).text)["enum"] == values[:1000]
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "integer", "maximum": 1e999},
+    {"type": "integer", "minimum": -1e999},
+    {"type": "integer", "exclusiveMinimum": 1e999},
+    {"type": "object", "properties": {"n": {"type": "integer", "maximum": 1e400}}},
+])
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+def test_overflowing_bounds_are_refused_not_crashed(schema, backend):
+    """Issue 16: a schema valid under draft 2020-12 never gives a 5xx; a bound that overflows
+    an int conversion (found from outside: OverflowError in lowering) is a GrammarError (400)."""
+    from arborlm.constrained.grammar_spec import grammar_spec_from_params
+    from arborlm.sampling_params import SamplingParams
+
+    try:
+        grammar_spec_from_params(SamplingParams(json_schema=schema), backend)
+    except GrammarError as e:
+        assert e.param == "json_schema"

@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from arborlm.runtime.scheduler import Scheduler
+from arborlm.runtime.scheduler import NON_FINITE_MESSAGE, Scheduler
 from tests.runtime.scheduler_helpers import (
     FAKE_EOS_ID,
     assert_idle_pools,
@@ -166,7 +166,7 @@ def test_a_non_finite_row_aborts_only_its_request(step):
     reqs = [make_req(rid, prompt(ord(rid), shared=False), max_new_tokens=6, ignore_eos=True) for rid in "abc"]
     result = run_to_completion(sched, reqs)
     assert result.finish["b"]["type"] == "abort"
-    assert result.finish["b"]["message"] == "internal error: the model produced non-finite logits for this request"
+    assert result.finish["b"]["message"] == NON_FINITE_MESSAGE
     assert len(result.tokens["b"]) == step - 1  # nothing of the poisoned step reaches the client
     for rid in "ac":
         assert result.tokens[rid] == script(rid)[:6]
