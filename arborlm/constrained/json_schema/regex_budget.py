@@ -102,8 +102,12 @@ class RegexBudget:
         try:
             return match(pattern, text, timeout=remaining, concurrent=True) is not None
         except TimeoutError:
+            # The budget is spent whatever the clocks say: regex's timer may stop a hair
+            # before ours, and a later search must not get that crumb.
+            self.spent_s = self.budget_s
             raise PatternTimeout(pattern, self.budget_s) from None
         except regex.error as e:
             raise GrammarError(f"json_schema: the pattern {pattern!r} cannot be matched: {e}", "json_schema") from e
         finally:
-            self.spent_s += time.perf_counter() - start
+            if self.spent_s < self.budget_s:  # a timeout already set it to the whole budget
+                self.spent_s += time.perf_counter() - start
