@@ -61,7 +61,7 @@ from arborlm.runtime.gguf_metadata import (
 from arborlm.runtime.models import registry
 
 # Raised when the rules below change, so that folders converted before are converted again.
-CONVERSION_VERSION = 2
+CONVERSION_VERSION = 3
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # llama-model.cpp's Gemma 3 unless the file says otherwise: every 6th layer global, local base 10k.
@@ -69,6 +69,11 @@ GEMMA3_SWA_PERIOD = 6
 GEMMA3_LOCAL_BASE = 10_000.0
 GEMMA3_27B_LAYERS = 62
 MIXTRAL = "MixtralForCausalLM"
+# The llama3 rope scaling Meta released (Llama 3.1-3.3 configs; the converter's defaults but
+# `factor`): low and high frequency factors, pretraining length.
+LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR, LLAMA3_ORIGINAL_CONTEXT = 1.0, 4.0, 8192
+# How close the rope_freqs of the file must be to the llama3 rule (the file stores float32).
+ROPE_FREQS_RTOL = 1e-5
 
 
 @dataclass(frozen=True)
@@ -203,6 +208,85 @@ def _token_ids(meta: GGUFMetadata) -> dict:
 
 
 # ---------------------------------------------------------------- families
+
+
+def _llama_fields(meta: GGUFMetadata) -> dict:
+    """Llama: rope scaling, and Llama 3.x's `rope_freqs` tensor (see `_rope_freqs_parameters`)."""
+    if meta.rope_freqs is None:
+        return _rope_fields(meta)
+    if _rope_scaling(meta):
+        raise meta.error(f"it has both rope_freqs and {meta.key(ROPE_SCALING_TYPE)}: config.json says one scaling")
+    head_dim = int(meta.get(KEY_LENGTH) or int(meta.require(EMBEDDING_LENGTH)) // int(meta.require(HEAD_COUNT)))
+    rotary_dim = int(meta.get(ROPE_DIMENSION_COUNT, head_dim))
+    if rotary_dim != head_dim or len(meta.rope_freqs) != rotary_dim // 2:
+        raise meta.error(
+            f"rope_freqs has {len(meta.rope_freqs)} factors for a rotary dim of {rotary_dim} "
+            f"(head_dim {head_dim}): expected head_dim / 2"
+        )
+    theta = float(meta.get(ROPE_FREQ_BASE, 10_000.0))  # llama.cpp's default base
+    return {"rope_parameters": {"rope_theta": theta, **_rope_freqs_parameters(meta, theta, rotary_dim)}}
+
+
+def _rope_freqs_parameters(meta: GGUFMetadata, theta: float, rotary_dim: int) -> dict:
+    """rope_parameters for a `rope_freqs` tensor: llama.cpp's rotary pair i turns at
+    `theta ** (-2i / rotary_dim) / rope_freqs[i]` (`ggml_rope_ext`'s freq_factors).
+
+    llama.cpp's converter (`LlamaModel.generate_extra_tensors`) writes the llama3 scaling
+    of a Llama 3.1+ checkpoint as that tensor and no scaling key. When the factors are
+    the llama3 rule's for Meta's released low / high factors and pretraining length
+    (`rope.scaling.original_context_length` where the file has it) with `factor` their
+    largest value, the config says llama3 as the original did. Any other factors are
+    written as what they are: LongRoPE with the same short and long factors and an
+    attention factor of 1 (`1 / (factor_i * theta ** (2i / d))`, transformers'
+    `_compute_longrope_parameters`), which transformers and our models compute exactly.
+    """
+    factors = [float(f) for f in meta.rope_freqs]
+    if all(f == 1.0 for f in factors):
+        return {"rope_type": "default"}
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": max(factors),
+        "low_freq_factor": LLAMA3_LOW_FREQ_FACTOR,
+        "high_freq_factor": LLAMA3_HIGH_FREQ_FACTOR,
+        "original_max_position_embeddings": int(meta.get(ROPE_SCALING_ORIG_CTX_LEN, LLAMA3_ORIGINAL_CONTEXT)),
+    }
+    expected = llama3_rope_freqs(theta, rotary_dim, llama3)
+    if all(math.isclose(f, e, rel_tol=ROPE_FREQS_RTOL) for f, e in zip(factors, expected)):
+        return llama3
+    context = int(meta.require(CONTEXT_LENGTH))
+    return {
+        "rope_type": "longrope",
+        "short_factor": factors,
+        "long_factor": factors,
+        "attention_factor": 1.0,
+        "original_max_position_embeddings": context,
+    }
+
+
+def llama3_rope_freqs(theta: float, rotary_dim: int, scaling: dict) -> list[float]:
+    """The `rope_freqs` values llama.cpp's converter writes for a llama3 rope scaling
+    (`LlamaModel.generate_extra_tensors`): 1 for short wavelengths, `factor` for long ones,
+    the smooth interpolation between (transformers' `_compute_llama3_parameters`, inverted).
+
+    Parameters
+    ----------
+    theta: rope base. rotary_dim: rotated dims of a head (even).
+    scaling: llama3 rope_parameters (factor, low_freq_factor, high_freq_factor,
+        original_max_position_embeddings).
+    """
+    factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    values = []
+    for i in range(0, rotary_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / rotary_dim)
+        if wavelen < original / high:
+            values.append(1.0)
+        elif wavelen > original / low:
+            values.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            values.append(1 / ((1 - smooth) / factor + smooth))
+    return values
 
 
 def _qwen3_fields(meta: GGUFMetadata) -> dict:
@@ -402,6 +486,7 @@ def _vocab_size(meta: GGUFMetadata) -> int:
 
 
 _FAMILY_FIELDS: dict[str, Callable[[GGUFMetadata], dict]] = {
+    "LlamaForCausalLM": _llama_fields,
     "Qwen3ForCausalLM": _qwen3_fields,
     "Qwen3MoeForCausalLM": _qwen3_moe_fields,
     "Gemma3ForCausalLM": _gemma3_fields,

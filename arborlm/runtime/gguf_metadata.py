@@ -53,6 +53,8 @@ TOKEN_ID_KEYS = {  # config.json field -> llama.cpp key
 TOKEN_LIST = "tokenizer.ggml.tokens"
 # Phi-3's LongRoPE factors are tensors, not metadata (MODEL_TENSOR.ROPE_FACTORS_SHORT / _LONG).
 ROPE_FACTOR_TENSORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
+# Llama 3.x's rotary frequency divisors (MODEL_TENSOR.ROPE_FREQS), one per rotated pair.
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,8 @@ class GGUFMetadata:
     rope_factors: "short_factor" / "long_factor" -> the values of Phi-3's LongRoPE
         factor tensors present in the file.
     num_tokens: the length of `tokenizer.ggml.tokens`, or None without one.
+    rope_freqs: the values of the `rope_freqs` tensor (llama.cpp divides pair i's rotary
+        frequency by value i; Llama 3.x's converter writes its llama3 scaling so), or None.
     """
 
     path: str
@@ -77,6 +81,7 @@ class GGUFMetadata:
     tensor_shapes: dict = field(repr=False)
     rope_factors: dict = field(repr=False)
     num_tokens: int | None = None
+    rope_freqs: list[float] | None = field(default=None, repr=False)
 
     def get(self, key: str, default=None):
         """The value of `key` ("{arch}." filled in), or `default` when the file lacks it."""
@@ -99,9 +104,9 @@ class GGUFMetadata:
 
 
 def read_metadata(gguf_file: Path) -> GGUFMetadata:
-    """The metadata, tensor shapes and LongRoPE factors of a GGUF file (`gguf.GGUFReader`).
+    """The metadata, tensor shapes and rope factors of a GGUF file (`gguf.GGUFReader`).
 
-    The reader maps the file; no weight is read but the LongRoPE factors.
+    The reader maps the file; no weight is read but the LongRoPE factors and `rope_freqs`.
 
     Raises
     ------
@@ -124,6 +129,7 @@ def read_metadata(gguf_file: Path) -> GGUFMetadata:
         tensor_shapes={t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors},
         rope_factors=_rope_factors(reader),
         num_tokens=None if tokens is None else len(tokens.data),
+        rope_freqs=_tensor_values(reader, ROPE_FREQS_TENSOR),
     )
 
 
@@ -147,12 +153,16 @@ def _field_value(reader_field):
 
 def _rope_factors(reader) -> dict[str, list[float]]:
     """The LongRoPE factor tensors of the file, as float lists (llama.cpp writes them float32)."""
+    values = {key: _tensor_values(reader, name) for key, name in ROPE_FACTOR_TENSORS.items()}
+    return {key: factors for key, factors in values.items() if factors is not None}
+
+
+def _tensor_values(reader, name: str) -> list[float] | None:
+    """The values of the file's tensor `name` as a float list (dequantized), or None without it."""
     import numpy as np
     from gguf import dequantize
 
-    by_name = {t.name: t for t in reader.tensors}
-    return {
-        key: np.asarray(dequantize(by_name[name].data, by_name[name].tensor_type), np.float32).ravel().tolist()
-        for key, name in ROPE_FACTOR_TENSORS.items()
-        if name in by_name
-    }
+    for tensor in reader.tensors:
+        if tensor.name == name:
+            return np.asarray(dequantize(tensor.data, tensor.tensor_type), np.float32).ravel().tolist()
+    return None

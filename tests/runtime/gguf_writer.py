@@ -2,7 +2,8 @@
 `convert_hf_to_gguf.py` writes it, for the loader's GGUF path to convert back.
 
 Families: Qwen3, Qwen3-MoE, Mixtral (a "llama" file with experts, q/k rows permuted), Gemma 3
-(norms stored as 1 + weight), Phi-3 (LongRoPE factors as tensors). Metadata as the converter's
+(norms stored as 1 + weight), Phi-3 (LongRoPE factors as tensors), Llama (q/k rows permuted,
+Llama 3.x's llama3 rope scaling as the `rope_freqs` tensor). Metadata as the converter's
 classes write it: `TextModel.set_gguf_parameters` for most keys, `LlamaModel` (vocab size, rope
 dimension count), `Qwen2MoeModel` (expert width), `Gemma3Model`, `Phi3MiniModel` (which writes
 its own keys and no key length). No output tensor for a tied head.
@@ -19,7 +20,12 @@ from pathlib import Path
 import torch
 
 # model_type -> gguf.MODEL_ARCH member
-ARCHES = {"qwen3": "QWEN3", "qwen3_moe": "QWEN3MOE", "mixtral": "LLAMA", "gemma3_text": "GEMMA3", "phi3": "PHI3"}
+ARCHES = {
+    "qwen3": "QWEN3", "qwen3_moe": "QWEN3MOE", "mixtral": "LLAMA", "gemma3_text": "GEMMA3", "phi3": "PHI3",
+    "llama": "LLAMA",
+}
+# model types whose q/k rows llama.cpp permutes (LlamaModel.modify_tensors)
+PERMUTED = ("mixtral", "llama")
 
 
 def byte_tokens() -> list[str]:
@@ -35,8 +41,13 @@ def byte_tokens() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
-def write_gguf(model, path: Path) -> Path:
-    """Write `model` (a transformers model of a family in ARCHES, vocabulary 256) to `path`."""
+def write_gguf(model, path: Path, qtype=None) -> Path:
+    """Write `model` (a transformers model of a family in ARCHES, vocabulary 256) to `path`.
+
+    qtype: a `gguf.GGMLQuantizationType` (e.g. Q8_0) for every matrix whose rows are whole
+    blocks, quantized with `gguf.quants.quantize` (llama.cpp's quantize keeps norms, biases,
+    the router and rope factors in float32 too); None writes float32 throughout.
+    """
     import gguf
 
     config = model.config
@@ -52,14 +63,24 @@ def write_gguf(model, path: Path) -> Path:
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # llama.cpp writes no output tensor for a tied head
         for gguf_name, data in _gguf_tensors(names, config, name, tensor.float()):
-            writer.add_tensor(gguf_name, data.contiguous().numpy())
-    for gguf_name, data in _rope_factor_tensors(config):
+            _add_tensor(writer, gguf_name, data.contiguous().numpy(), qtype)
+    for gguf_name, data in [*_rope_factor_tensors(config), *_rope_freqs_tensor(config)]:
         writer.add_tensor(gguf_name, data.numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_tensor(writer, name: str, data, qtype) -> None:
+    """Add one tensor, quantized to `qtype` where it is a matrix of whole blocks (not the router)."""
+    import gguf
+
+    if qtype is None or data.ndim < 2 or "ffn_gate_inp" in name or data.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+        writer.add_tensor(name, data)
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
 
 
 def _rope(config) -> tuple[dict, dict | None]:
@@ -99,7 +120,7 @@ def _write_hparams(writer, config) -> None:
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     if config.model_type == "qwen3_moe":  # Qwen2MoeModel
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
-    if config.model_type == "mixtral":  # LlamaModel
+    if config.model_type in PERMUTED:  # LlamaModel
         writer.add_vocab_size(config.vocab_size)
         writer.add_rope_dimension_count(hparams.get("head_dim") or config.hidden_size // config.num_attention_heads)
     if config.model_type == "gemma3_text":  # Gemma3Model
@@ -143,6 +164,29 @@ def _rope_factor_tensors(config):
     ]
 
 
+def _rope_freqs_tensor(config):
+    """Llama 3.x's llama3 scaling as `LlamaModel.generate_extra_tensors` writes it: the
+    `rope_freqs` divisor of each rotary pair (no scaling key)."""
+    rope = config.rope_parameters
+    if config.model_type != "llama" or rope.get("rope_type") != "llama3":
+        return []
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_context = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context / high:
+            factors.append(1.0)
+        elif wavelen > old_context / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return [("rope_freqs.weight", torch.tensor(factors, dtype=torch.float32))]
+
+
 def _write_tokenizer(writer) -> None:
     tokens = byte_tokens()
     writer.add_tokenizer_model("gpt2")
@@ -174,9 +218,9 @@ def _gguf_tensors(names, config, name: str, tensor: torch.Tensor):
         return [(f"blk.{block}.ffn_down_exps.weight", tensor)]
     if config.model_type == "gemma3_text" and "norm" in name:
         tensor = tensor + 1  # llama.cpp stores Gemma's norms as the 1 + weight they scale by
-    if config.model_type == "mixtral" and name.endswith("q_proj.weight"):
+    if config.model_type in PERMUTED and name.endswith("q_proj.weight"):
         tensor = permute_rotary_rows(tensor, config.num_attention_heads)
-    if config.model_type == "mixtral" and name.endswith("k_proj.weight"):
+    if config.model_type in PERMUTED and name.endswith("k_proj.weight"):
         tensor = permute_rotary_rows(tensor, config.num_key_value_heads)
     gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
     if gguf_name is None:
