@@ -224,15 +224,15 @@ def test_gguf_refused_for_a_checkpoint_folder(tiny_llama_dir):
 
 
 def test_gguf_refused_for_an_architecture_it_does_not_name(tmp_path):
-    writer = gguf.GGUFWriter(str(tmp_path / "gemma.gguf"), "gemma3")
+    writer = gguf.GGUFWriter(str(tmp_path / "falcon.gguf"), "falcon")
     writer.add_tensor("token_embd.weight", gguf.quants.quantize(np.ones((4, 32), np.float32), T.Q8_0), raw_dtype=T.Q8_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelLoadError, match="gemma3"):
-        resolve_quantization(str(tmp_path / "gemma.gguf"), "gguf")
-    assert resolve_quantization(str(tmp_path / "gemma.gguf"), None) is None  # falls back to dequantizing
+    with pytest.raises(ModelLoadError, match="falcon"):
+        resolve_quantization(str(tmp_path / "falcon.gguf"), "gguf")
+    assert resolve_quantization(str(tmp_path / "falcon.gguf"), None) is None  # falls back to dequantizing
 
 
 def _corrupt_copies(source: Path, folder: Path) -> dict[str, Path]:

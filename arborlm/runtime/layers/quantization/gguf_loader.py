@@ -8,13 +8,17 @@ uninitialised, so untouched) and calls `load_gguf_weights`, which
 2. installs quantized layers: every `Linear` / `MergedLinear` whose checkpoint
    weights are all of a format the kernels serve (`SERVED_TYPES`) becomes a
    `QuantizedLinear`, a `VocabEmbedding` whose table is one becomes a
-   `QuantizedEmbedding`, and a head tied to that table a `QuantizedLinear` over
-   the same packed bytes;
+   `QuantizedEmbedding`, a head tied to that table a `QuantizedLinear` over
+   the same packed bytes, and a MoE block's `FusedMoE` whose three stacked expert
+   tensors are served a `QuantizedFusedMoE` (`quant_moe.py`; one packed weight per
+   expert and projection). A fused checkpoint tensor (Phi-3's `attn_qkv`, `ffn_up`)
+   fills a whole `MergedLinear` as one packed weight;
 3. streams the file once: served tensors are packed (`pack_ggml_blocks`, q/k rows
    put back in Hugging Face's order) into their layers; everything else (norms,
    biases, F16 / F32 tensors, quantized types the kernels do not serve, logged once
    per type) is dequantized by `gguf.quants` and handed to the model's own
-   `load_weights`, one tensor at a time.
+   `load_weights`, one tensor at a time (stacked experts split into the family's
+   per-expert names, Gemma 3's norms back from 1 + weight: `gguf_names.hf_values`).
 
 No float copy of a served tensor is ever made: resident weights are the file's
 bytes (plus row padding to tiles of 16) and the dequantized rest.
@@ -35,13 +39,22 @@ from arborlm.errors import ModelLoadError
 from arborlm.kernels.quant_layout import pack_ggml_blocks
 from arborlm.kernels.quant_ops import QuantOps
 from arborlm.runtime.layers.linear import Linear, MergedLinear
+from arborlm.runtime.layers.moe import DOWN, GATE, UP, FusedMoE
 from arborlm.runtime.layers.quantization.gguf_file import GGUFFile, GGUFTensorInfo
-from arborlm.runtime.layers.quantization.gguf_names import hf_name, hf_row_order, is_ignored
+from arborlm.runtime.layers.quantization.gguf_names import (
+    expert_hf_names,
+    expert_tensor,
+    hf_name,
+    hf_row_order,
+    hf_values,
+    is_ignored,
+)
 from arborlm.runtime.layers.quantization.quant_linear import (
     WHOLE,
     QuantizedEmbedding,
     QuantizedLinear,
 )
+from arborlm.runtime.layers.quantization.quant_moe import QuantizedFusedMoE
 from arborlm.runtime.layers.vocab_embedding import VocabEmbedding
 
 logger = logging.getLogger(__name__)
@@ -64,7 +77,7 @@ class _Target:
 
     module: nn.Module
     shard: Hashable
-    kind: str  # "weight" | "bias" | "table"
+    kind: str  # "weight" | "bias" | "table" | "experts"
 
 
 def load_gguf_weights(model: nn.Module, gguf: GGUFFile, hf_config, ops: QuantOps) -> GGUFLoadReport:
@@ -86,12 +99,14 @@ def load_gguf_weights(model: nn.Module, gguf: GGUFFile, hf_config, ops: QuantOps
         match the model, or a weight missing from the file.
     """
     stacked = getattr(model, "_STACKED", {})
-    served = {hf_name(t.name) for t in gguf.tensors if t.ggml_type in SERVED_TYPES} - {None}
+    served = {hf_name(t.name, gguf.architecture) for t in gguf.tensors if t.ggml_type in SERVED_TYPES} - {None}
     targets, tied_heads = _install(model, served, stacked, ops)
     report = GGUFLoadReport()
     model.load_weights(_stream(gguf, hf_config, targets, report))
     for path, module in model.named_modules():
-        if isinstance(module, QuantizedLinear) and module not in tied_heads.values():
+        if isinstance(module, QuantizedFusedMoE) or (
+            isinstance(module, QuantizedLinear) and module not in tied_heads.values()
+        ):
             module.finish(path)
     for table, head in tied_heads.items():
         head.set_weights((table.weight,))
@@ -113,6 +128,10 @@ def _install(
             targets[f"{path}.weight"] = _Target(table, WHOLE, "table")
     tied_heads: dict[QuantizedEmbedding, QuantizedLinear] = {}
     for path, module in list(model.named_modules()):
+        if isinstance(module, FusedMoE) and all(f"{path}.{shard}" in served for shard in (GATE, UP, DOWN)):
+            experts = QuantizedFusedMoE.replacing(module, ops)
+            model.set_submodule(path, experts)
+            targets.update({f"{path}.{shard}": _Target(experts, shard, "experts") for shard in (GATE, UP, DOWN)})
         if not isinstance(module, Linear):
             continue
         if id(module.weight) in tables:  # a head tied to a quantized table reads the same bytes
@@ -121,9 +140,11 @@ def _install(
             tied_heads[tables[id(module.weight)]] = head
             continue
         names = _checkpoint_names(path, module, stacked)
+        if f"{path}.weight" in served:  # one tensor for the whole layer, a fused one included
+            names = {WHOLE: f"{path}.weight"}
         if not names or not all(name in served for name in names.values()):
             continue
-        layer = QuantizedLinear.replacing(module, ops)
+        layer = QuantizedLinear.replacing(module, ops, whole=set(names) == {WHOLE})
         model.set_submodule(path, layer)
         for shard, name in names.items():
             targets[name] = _Target(layer, shard, "weight")
@@ -149,7 +170,7 @@ def _stream(
     for info in gguf.tensors:
         if is_ignored(info.name):
             continue
-        name = hf_name(info.name)
+        name = hf_name(info.name, gguf.architecture)
         if name is None:
             raise ModelLoadError(
                 f"GGUF tensor {info.name!r} of {str(gguf.path)!r} is not one quantization='gguf' knows "
@@ -157,15 +178,22 @@ def _stream(
             )
         rows = hf_row_order(info.name, gguf.architecture, info.num_rows, hf_config)
         target = targets.get(name)
+        if target is not None and target.kind == "experts":
+            target.module.load_shard(target.shard, _packed_experts(gguf, info), name)
+            report.quantized[info.type_name] += 1
+            continue
         if target is not None and target.kind != "bias":
             _load_packed(target, _packed(gguf, info, rows), name)
             report.quantized[info.type_name] += 1
             continue
-        values = gguf.values(info)
+        values = hf_values(info.name, gguf.architecture, gguf.values(info))
         tensor = torch.from_numpy(values if rows is None else values[rows])
         report.dequantized[info.type_name] += 1
+        expert = expert_tensor(info.name)
         if target is not None:
             target.module.load_bias(target.shard, tensor, name)
+        elif expert is not None:  # the family's per-expert names, one expert at a time
+            yield from zip(expert_hf_names(expert, tensor.shape[0], hf_config.model_type), tensor)
         else:
             yield name, tensor
 
@@ -176,6 +204,24 @@ def _packed(gguf: GGUFFile, info: GGUFTensorInfo, rows: np.ndarray | None):
     raw = raw[rows] if rows is not None else np.array(raw)
     try:
         return pack_ggml_blocks(SERVED_TYPES[info.ggml_type], torch.from_numpy(raw), info.row_width)
+    except ValueError as exc:
+        raise ModelLoadError(f"GGUF tensor {info.name!r}: {exc}") from exc
+
+
+def _packed_experts(gguf: GGUFFile, info: GGUFTensorInfo):
+    """A stacked (E, out, in) expert tensor packed expert by expert."""
+    if len(info.shape) != 3:
+        raise ModelLoadError(f"GGUF tensor {info.name!r} has shape {info.shape}, expected (experts, out, in)")
+    experts, out_features, in_features = info.shape
+    raw = gguf.raw(info)
+    try:
+        return [
+            pack_ggml_blocks(
+                SERVED_TYPES[info.ggml_type], torch.from_numpy(np.array(raw[e * out_features:(e + 1) * out_features])),
+                in_features,
+            )
+            for e in range(experts)
+        ]
     except ValueError as exc:
         raise ModelLoadError(f"GGUF tensor {info.name!r}: {exc}") from exc
 

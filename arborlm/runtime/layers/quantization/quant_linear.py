@@ -58,9 +58,10 @@ class QuantizedLinear(nn.Module):
         self.weights: Sequence[QuantWeight] = ()
 
     @classmethod
-    def replacing(cls, linear: Linear, ops: QuantOps) -> QuantizedLinear:
-        """An empty quantized layer of `linear`'s shape, shards and bias."""
-        if isinstance(linear, MergedLinear):
+    def replacing(cls, linear: Linear, ops: QuantOps, whole: bool = False) -> QuantizedLinear:
+        """An empty quantized layer of `linear`'s shape, shards and bias (`whole`: one
+        shard of all rows, for a checkpoint that stores a fused projection as one tensor)."""
+        if isinstance(linear, MergedLinear) and not whole:
             shards = {shard: rows.stop - rows.start for shard, rows in linear.shard_slices.items()}
         else:
             shards = {WHOLE: linear.weight.shape[0]}
