@@ -25,8 +25,10 @@ from arborlm.entrypoints.auth import AuthMiddleware, KeyPolicy
 from arborlm.entrypoints.body_limit import BodyLimitMiddleware
 from arborlm.entrypoints.browser_guard import BrowserGuardMiddleware, HostPolicy
 from arborlm.entrypoints.http_errors import install_error_handlers
+from arborlm.entrypoints.openai.response_store import ResponseStore
 from arborlm.entrypoints.openai.serving_chat import chat_completions
 from arborlm.entrypoints.openai.serving_completions import completions
+from arborlm.entrypoints.openai.serving_responses import router as responses_router
 from arborlm.entrypoints.request_id import RequestIdMiddleware
 from arborlm.entrypoints.server_state import ServerState, get_state
 from arborlm.runtime.launcher import close_front
@@ -51,6 +53,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="arborlm", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.arbor = state
+    app.state.responses = ResponseStore()  # /v1/responses with store: true
     install_error_handlers(app)
     _install_middlewares(app, state)
     app.include_router(native_api.router)
@@ -58,6 +61,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_api_route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.include_router(responses_router)
     return app
 
 

@@ -1,0 +1,349 @@
+"""`POST /v1/responses`, `GET /v1/responses/{id}`, `DELETE /v1/responses/{id}`: OpenAI's Responses API.
+
+A request is answered by the chat route's machinery: its input items become
+chat messages (`responses_input.py`), which are rendered by the model's chat
+template with the offered tools (`chat_render.render_chat`,
+`tool_calls.plan_tools`: the server's call format, arguments valid by grammar),
+`text.format` is the chat route's `response_format` (a `json_schema`
+constraint, validated when finished), and the thinking of a reasoning model is
+split off by the `--reasoning-parser`. One request goes to the scheduler; its
+text becomes output items (`responses_output.py`). With `stream`, the answer
+is the Responses event stream: ``response.created``, ``response.in_progress``,
+the items' events, then ``response.completed`` (or ``.incomplete`` when
+`max_output_tokens` cut the output, ``.failed`` when it was aborted), each
+event with its `sequence_number`.
+
+`store` (the default) keeps the response in the app's `ResponseStore`;
+`previous_response_id` renders the stored conversation first, so the prompt
+extends the previous one and its KV comes from the radix cache
+(`usage.input_tokens_details.cached_tokens` counts it with
+`--enable-cache-report`). As OpenAI's, the stream ends without ``data: [DONE]``. Errors are the chat route's, naming the Responses
+fields (`input[2].content`, `tools[0].parameters`, `text.format.schema`,
+`max_output_tokens`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from arborlm.entrypoints.http_errors import APIError, validation_error
+from arborlm.entrypoints.openai.chat_render import RenderedChat, render_chat
+from arborlm.entrypoints.openai.common import (
+    OPENAI_RULES,
+    abort_message,
+    check_prompt_len,
+    field_names,
+    finish_reason,
+    max_new_tokens,
+    now_s,
+    openai_errors,
+    parse_body,
+    run_all,
+    sampling_params,
+    stream_all,
+)
+from arborlm.entrypoints.openai.protocol import ChatCompletionRequest
+from arborlm.entrypoints.openai.reasoning_parser import (
+    ReasoningMode,
+    ReasoningParser,
+    reasoning_mode,
+)
+from arborlm.entrypoints.openai.response_store import ResponseStore, StoredResponse
+from arborlm.entrypoints.openai.responses_input import (
+    Conversation,
+    assistant_message,
+    build_conversation,
+)
+from arborlm.entrypoints.openai.responses_output import Finished, OutputBuilder, item_id
+from arborlm.entrypoints.openai.responses_protocol import FunctionTool, ResponsesRequest
+from arborlm.entrypoints.openai.tool_calls import ToolPlan, add_tool_grammar, plan_tools
+from arborlm.entrypoints.openai.tool_parsers.registry import tool_call_format
+from arborlm.entrypoints.request_builder import build_batch
+from arborlm.entrypoints.server_state import ServerState, get_state
+from arborlm.entrypoints.streaming import cancel_on_disconnect, primed, sse, sse_response
+from arborlm.runtime.io_struct import GenerateReqInput
+
+router = APIRouter()
+
+
+def response_store(request: Request) -> ResponseStore:
+    """The app's store (`http_server.create_app` puts one in `app.state.responses`)."""
+    return request.app.state.responses
+
+
+# ---- the call ------------------------------------------------------------------
+
+
+@dataclass
+class ResponseCall:
+    """One response being made: the request, what it was rendered from, and how its text is read."""
+
+    id: str
+    created_at: int
+    model: str
+    req: ResponsesRequest
+    conversation: Conversation
+    plan: ToolPlan | None
+    reasoning: ReasoningMode | None
+    report_cached: bool
+    tokenizer: Any
+
+    def builder(self) -> OutputBuilder:
+        return OutputBuilder(ReasoningParser(self.reasoning) if self.reasoning else None, self.plan)
+
+    def body(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+             error: dict[str, Any] | None = None, incomplete: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The `Response` object, OpenAI's fields echoing the request."""
+        req = self.req
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "model": self.model,
+            "status": status, "output": output, "error": error, "incomplete_details": incomplete,
+            "instructions": req.instructions, "metadata": req.metadata or {},
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "temperature": req.temperature, "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
+            "tool_choice": _tool_choice(req), "tools": req.tools or [],
+            "text": {"format": _text_format(req)}, "previous_response_id": req.previous_response_id,
+            "store": req.store, "background": False, "truncation": "disabled", "user": req.user,
+            "usage": usage,
+        }
+
+    def final(self, meta: dict[str, Any], done: Finished) -> dict[str, Any]:
+        """The finished `Response`: status from the finish reason (and the calls' check), usage."""
+        reason = finish_reason(meta)
+        why = done.dropped or abort_message(meta)
+        error = incomplete = None
+        if why is not None:
+            status, error = "failed", {"code": "server_error", "message": why}
+        elif reason == "length":
+            status, incomplete = "incomplete", {"reason": "max_output_tokens"}
+        else:
+            status = "completed"
+        return self.body(status, done.output, self.usage(meta, done), error, incomplete)
+
+    def usage(self, meta: dict[str, Any], done: Finished) -> dict[str, Any]:
+        """Token counts; `cached_tokens` only with `--enable-cache-report` (0 otherwise, as on the chat
+        route: the real count tells a client which prefixes others sent). `reasoning_tokens` is the
+        reasoning text re-encoded."""
+        reasoning = len(self.tokenizer.encode(done.reasoning, add_special_tokens=False)) if done.reasoning else 0
+        prompt, completion = meta["prompt_tokens"], meta["completion_tokens"]
+        return {"input_tokens": prompt,
+                "input_tokens_details": {"cached_tokens": meta["cached_tokens"] if self.report_cached else 0,
+                                         "cache_write_tokens": 0},
+                "output_tokens": completion,
+                "output_tokens_details": {"reasoning_tokens": min(reasoning, completion)},
+                "total_tokens": prompt + completion}
+
+    def stored(self, body: dict[str, Any], done: Finished) -> StoredResponse:
+        """What `previous_response_id` continues: this conversation and its answer."""
+        conv = self.conversation.extended("previous_response_id")
+        conv.messages = [m for m, s in zip(self.conversation.messages, self.conversation.sources)
+                         if s != "instructions"]
+        conv.sources = ["previous_response_id"] * len(conv.messages)
+        conv.messages.append(assistant_message(done.text, done.calls))
+        conv.sources.append("previous_response_id")
+        for call in done.calls:
+            conv.calls[call["id"]] = call["function"]["name"]
+        return StoredResponse(body, conv)
+
+
+def _tool_choice(req: ResponsesRequest) -> Any:
+    choice = req.tool_choice
+    if choice is None:
+        return "auto"
+    return choice if isinstance(choice, str) else {"type": "function", "name": choice.name}
+
+
+def _text_format(req: ResponsesRequest) -> dict[str, Any]:
+    fmt = req.text.format if req.text is not None else None
+    return {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True)
+
+
+# ---- routes --------------------------------------------------------------------
+
+
+@router.post("/v1/responses")
+async def create_response(request: Request) -> Response:
+    """Answer one Responses request (a `Response` object, or its event stream when `stream`)."""
+    state = get_state(request)
+    req = await parse_body(request, ResponsesRequest)
+    state.check_model(req.model)
+    manager = state.live_manager()
+    store = response_store(request)
+    previous = store.get(req.previous_response_id, "previous_response_id").conversation \
+        if req.previous_response_id is not None else None
+    conversation = build_conversation(req.input, req.instructions, previous)
+    with responses_params(conversation.sources):
+        call, built, names = await _prepare(state, req, conversation)
+        with openai_errors(names):
+            items = await build_batch(manager, built, OPENAI_RULES)
+            if req.stream:
+                chunks = await cancel_on_disconnect(request, primed(stream_all(manager, items)))
+                return sse_response(_stream(call, chunks, store))
+            results = await cancel_on_disconnect(request, run_all(manager, items))
+    result = results[0]
+    builder = call.builder()
+    builder.feed(result["text"], last=True)
+    done = builder.finish()
+    body = call.final(result["meta_info"], done)
+    if req.store:
+        store.put(call.stored(body, done))
+    return JSONResponse(body)
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(request: Request, response_id: str) -> dict[str, Any]:
+    """A stored response; 404 ``response_not_found`` for an unknown, deleted or evicted id."""
+    return response_store(request).get(response_id).body
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(request: Request, response_id: str) -> dict[str, Any]:
+    """Forget a stored response; 404 ``response_not_found`` for an unknown id."""
+    response_store(request).delete(response_id)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+# ---- preparing the request ----------------------------------------------------------
+
+
+def call_chat_request(req: ResponsesRequest, conversation: Conversation) -> ChatCompletionRequest:
+    """The chat completion request that asks for the same answer.
+
+    Raises
+    ------
+    APIError: 400 naming `tools[i]` for a tool that is not a function (as chat fields; renamed by
+        `responses_params`).
+    """
+    tools = [_chat_tool(t, i) for i, t in enumerate(req.tools)] if req.tools else None
+    choice = req.tool_choice
+    fmt = req.text.format if req.text is not None else None
+    body: dict[str, Any] = {
+        "messages": conversation.messages, "tools": tools, "parallel_tool_calls": req.parallel_tool_calls,
+        "tool_choice": choice if choice is None or isinstance(choice, str)
+        else {"type": "function", "function": {"name": choice.name}},
+        "max_completion_tokens": req.max_output_tokens,
+        "response_format": None if fmt is None else {
+            "type": fmt.type,
+            **({"json_schema": {"name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}}
+               if fmt.type == "json_schema" else {})},
+        **{k: getattr(req, k) for k in ("temperature", "top_p", "seed", "top_k", "min_p", "repetition_penalty",
+                                        "stop", "user")},
+    }
+    return ChatCompletionRequest.model_validate(body)
+
+
+def _chat_tool(tool: dict[str, Any], index: int) -> dict[str, Any]:
+    if tool.get("type") != "function":
+        raise APIError(400, f"tools of type {tool.get('type')!r} are not supported; this server calls "
+                       "function tools", param=f"tools[{index}].type")
+    try:
+        function = FunctionTool.model_validate(tool)
+    except ValidationError as e:
+        raise validation_error([{**err, "loc": ("tools", index, *err["loc"])} for err in e.errors()]) from None
+    return {"type": "function", "function": function.model_dump(exclude={"type"}, exclude_none=True)}
+
+
+async def _prepare(state: ServerState, req: ResponsesRequest, conversation: Conversation
+                   ) -> tuple[ResponseCall, list[GenerateReqInput], dict[str, str]]:
+    """Render the prompt and build the one generation request, as the chat route does; the
+    native field names of its constraint (`common.field_names`) come third."""
+    chat_req = call_chat_request(req, conversation)
+    chat = state.server_args.chat
+    fmt = tool_call_format(chat.tool_call_parser, getattr(state.tokenizer, "chat_template", None))
+    plan = await asyncio.to_thread(plan_tools, chat_req, state.server_args.grammar.grammar_backend, fmt)
+    rendered: RenderedChat = await asyncio.to_thread(
+        render_chat, state.tokenizer, chat_req.messages, False, None,
+        tools=plan.definitions if plan else None, fmt=fmt)
+    context = state.model_info.context_length
+    check_prompt_len(len(rendered.input_ids), context, "messages")
+    limit = max_new_tokens(chat_req.max_completion_tokens, len(rendered.input_ids), context,
+                           "max_completion_tokens")
+    mode = reasoning_mode(chat.reasoning_parser, rendered.text)
+    params = add_tool_grammar(sampling_params(chat_req, limit), plan)
+    if mode is not None and any(k in params for k in ("json_schema", "regex", "ebnf", "structural_tag")):
+        params = {**params, "reasoning": mode.grammar_reasoning()}  # the constraint starts after the thinking
+    call = ResponseCall(item_id("resp"), now_s(), state.model_name, req, conversation, plan, mode,
+                        state.server_args.server.enable_cache_report, state.tokenizer)
+    gen = GenerateReqInput(input_ids=rendered.input_ids, sampling_params=params, stream=req.stream)
+    return call, [gen], field_names(chat_req)
+
+
+# ---- error names ----------------------------------------------------------------------
+
+
+# Chat request fields → the Responses fields they came from.
+_RENAMES = (
+    ("response_format.json_schema.schema", "text.format.schema"),
+    ("response_format", "text.format"),
+    ("max_completion_tokens", "max_output_tokens"),
+    ("tool_choice.function.name", "tool_choice.name"),
+    (".function.", "."),
+)
+
+
+def responses_param(param: str | None, sources: list[str]) -> str | None:
+    """A chat request's field as the Responses request spells it (``messages[3].content`` →
+    ``input[1].content`` when message 3 came from input item 1)."""
+    if param is None:
+        return None
+    if param.startswith("messages["):
+        index, _, rest = param[len("messages["):].partition("]")
+        if index.isdigit() and int(index) < len(sources):
+            source = sources[int(index)]
+            # a message's own fields sit on its item; the text of a joined part is the item's content
+            return source + rest if source.startswith("input[") else source
+    if param == "messages":
+        return "input"
+    for old, new in _RENAMES:
+        if param.startswith(old) or (old.startswith(".") and old in param):
+            return param.replace(old, new, 1)
+    return param
+
+
+@contextlib.contextmanager
+def responses_params(sources: list[str]) -> Iterator[None]:
+    """Raise the chat machinery's 4xx errors with the Responses request's field names."""
+    try:
+        yield
+    except APIError as e:
+        param = responses_param(e.param, sources)
+        message = e.message.replace(e.param, param) if e.param and param else e.message
+        raise APIError(e.status, message, e.type, param, e.code) from None
+
+
+# ---- streaming -----------------------------------------------------------------------
+
+
+async def _stream(call: ResponseCall, chunks: AsyncIterator[tuple[int, dict[str, Any]]],
+                  store: ResponseStore) -> AsyncIterator[str]:
+    """The Responses event stream of one call (see the module docstring)."""
+    sequence = iter(range(1 << 62))
+
+    def event(payload: dict[str, Any]) -> str:
+        return sse({**payload, "sequence_number": next(sequence)})
+
+    started = call.body("in_progress", [])
+    yield event({"type": "response.created", "response": started})
+    yield event({"type": "response.in_progress", "response": started})
+    builder = call.builder()
+    async for _, chunk in chunks:
+        meta = chunk["meta_info"]
+        last = finish_reason(meta) is not None
+        for payload in builder.feed(chunk["text"], last):
+            yield event(payload)
+        if last:
+            done = builder.finish()
+            body = call.final(meta, done)
+            if call.req.store:
+                store.put(call.stored(body, done))
+            kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(
+                body["status"], "response.failed")
+            yield event({"type": kind, "response": body})
