@@ -22,6 +22,7 @@ import torch
 
 from arborlm.errors import ModelLoadError
 from arborlm.runtime.gguf_config import GGUFSettings
+from arborlm.runtime.models.weight_utils import weight_progress
 
 # llama.cpp tensor name -> Hugging Face name; {i} is the layer.
 _NAMES = {
@@ -44,7 +45,7 @@ _PER_EXPERT = re.compile(r"blk\.(?P<layer>\d+)\.ffn_(?P<proj>gate|up|down)\.(?P<
 _LAYER = re.compile(r"blk\.(?P<layer>\d+)\.")
 
 
-def convert_mixtral(gguf_file: Path, out_dir: Path, settings: GGUFSettings) -> None:
+def convert_mixtral(gguf_file: Path, out_dir: Path, settings: GGUFSettings, progress: bool | None = False) -> None:
     """Write `out_dir`: tokenizer files, config.json (`settings.config`), float32 safetensors.
 
     Parameters
@@ -52,6 +53,7 @@ def convert_mixtral(gguf_file: Path, out_dir: Path, settings: GGUFSettings) -> N
     gguf_file: a "llama" GGUF file with experts (`settings.architecture` Mixtral).
     out_dir: an empty folder.
     settings: from `gguf_config.read_settings(gguf_file)`.
+    progress: a bar of the shards written (`weight_utils.weight_progress`).
 
     Raises
     ------
@@ -65,7 +67,7 @@ def convert_mixtral(gguf_file: Path, out_dir: Path, settings: GGUFSettings) -> N
     shards: dict[str, list] = {}
     for tensor in GGUFReader(str(gguf_file)).tensors:
         shards.setdefault(_shard_key(tensor.name), []).append(tensor)
-    _save_shards(out_dir, shards, settings.config)
+    _save_shards(out_dir, shards, settings.config, progress)
 
 
 def _save_tokenizer(gguf_file: Path, out_dir: Path) -> None:
@@ -152,13 +154,14 @@ def _shard_key(gguf_name: str) -> str:
     return f"layer{int(layer['layer']):05d}" if layer else "embeddings"
 
 
-def _save_shards(out_dir: Path, shards: dict[str, list], config: dict) -> None:
+def _save_shards(out_dir: Path, shards: dict[str, list], config: dict, progress: bool | None = False) -> None:
     """Dequantize and save one shard at a time (`model-0000k-of-0000n.safetensors`, so
     only one layer is held in float32), then the index transformers reads."""
     from safetensors.torch import save_file
 
     weight_map, total_bytes = {}, 0
-    for k, key in enumerate(sorted(shards), start=1):
+    keys = weight_progress(sorted(shards), len(shards), f"converting {out_dir.name}", progress, unit="shard")
+    for k, key in enumerate(keys, start=1):
         file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
         weights = {name: weight for tensor in shards[key] for name, weight in hf_weights(tensor, config)}
         save_file(weights, str(out_dir / file), metadata={"format": "pt"})

@@ -34,6 +34,7 @@ from arborlm.errors import ModelLoadError
 from arborlm.runtime import gguf_config
 from arborlm.runtime.gguf_mixtral import convert_mixtral
 from arborlm.runtime.models import registry
+from arborlm.runtime.models.weight_utils import weight_progress
 
 logger = logging.getLogger(__name__)
 
@@ -227,7 +228,7 @@ def _converted_gguf(gguf_file: Path, cache_dir: Path, progress: bool, weights: b
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any checkpoint
     try:
         if settings.architecture == gguf_config.MIXTRAL:  # transformers' reader would make a dense Llama
-            convert_mixtral(gguf_file, tmp, settings)
+            convert_mixtral(gguf_file, tmp, settings, progress)
         elif weights:
             _convert(gguf_file, tmp, progress, gguf_config.hf_config(gguf_file, settings))
         else:
@@ -288,9 +289,10 @@ def resolve_quantization(model_path: str | os.PathLike[str] | None, quantization
     Parameters
     ----------
     model_path: as `resolve_checkpoint` (None = the default model, a Q4_1 GGUF file).
-    quantization: "gguf", "none", or None: "gguf" when the path is a GGUF file of an
+    quantization: "gguf", "int8", "none", or None: "gguf" when the path is a GGUF file of an
         architecture `gguf_names.QUANTIZED_ARCHS` names holding tensors of a type the
-        kernels serve (`gguf_loader.SERVED_TYPES`), else "none".
+        kernels serve (`gguf_loader.SERVED_TYPES`), else "none". "int8" loads float
+        weights (a GGUF file dequantized) and quantizes them in `load_model`.
 
     Raises
     ------
@@ -302,7 +304,7 @@ def resolve_quantization(model_path: str | os.PathLike[str] | None, quantization
     from arborlm.runtime.layers.quantization.gguf_loader import SERVED_TYPES
     from arborlm.runtime.layers.quantization.gguf_names import QUANTIZED_ARCHS
 
-    if quantization == "none":
+    if quantization in ("none", "int8"):
         return None
     path = default_model_path() if model_path is None else Path(model_path).expanduser()
     if not (path.is_file() and path.suffix == ".gguf"):
@@ -372,13 +374,34 @@ def set_cpu_threads() -> None:
     torch.set_num_threads(os.cpu_count() or 1)
 
 
-def iter_safetensors(checkpoint: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every weight in the checkpoint's *.safetensors files, on the CPU."""
+def iter_safetensors(checkpoint: Path, progress: bool | None = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every weight in the checkpoint's *.safetensors files, on the CPU.
+
+    One tensor at a time: each is read from its mapped file when the loader asks for
+    the next (no shard, let alone the whole checkpoint, is read ahead), so loading holds
+    the model's weights plus the tensor being copied in. `progress` as
+    `weight_utils.weight_progress` (a bar of tensors on stderr).
+
+    Raises
+    ------
+    ModelLoadError
+        When the folder holds no *.safetensors file.
+    """
     from safetensors import safe_open
 
     files = sorted(checkpoint.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{str(checkpoint)!r} holds no *.safetensors weights")
+    total = 0
+    for file in files:  # headers only: the bar's length
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            total += len(f.keys())
+    yield from weight_progress(_safetensors_tensors(files), total, f"loading {checkpoint.name}", progress)
+
+
+def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -392,6 +415,8 @@ def load_model(
     attention_backend: str = "auto",
     cpu_kernels: bool = True,
     gguf_file: Path | None = None,
+    progress: bool | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Build our model for `checkpoint` and load its weights.
 
@@ -406,6 +431,10 @@ def load_model(
         (where they build; torch ops otherwise), and those of `kernels/quant_ops.py`.
     gguf_file: serve this GGUF file's tensors as stored (`resolve_quantization`)
         instead of the checkpoint's safetensors; `checkpoint` gives the config.
+    progress: a progress bar of the tensors loaded, on stderr: True, False, or None
+        (default) for only when stderr is a terminal and `TQDM_DISABLE` is unset.
+    quantization: "int8" quantizes the loaded linears to weight-only int8 per channel
+        (`layers/quantization/int8_weights.py`); other values change nothing here.
 
     Raises
     ------
@@ -430,9 +459,11 @@ def load_model(
     attn_backend = create_attention_backend(attention_backend, device, ops if ops.native else None)
     model = model_class(hf_config, dtype, device, attn_backend, ops)
     if gguf_file is None:
-        model.load_weights(iter_safetensors(checkpoint))
+        model.load_weights(iter_safetensors(checkpoint, progress))
     else:
         _load_gguf_quantized(model, gguf_file, hf_config, device, cpu_kernels)
+    if quantization == "int8":
+        _quantize_int8(model, device, cpu_kernels)
     model.eval()
     return LoadedModel(model=model, hf_config=hf_config, checkpoint=checkpoint, architecture=architecture)
 
@@ -444,3 +475,11 @@ def _load_gguf_quantized(model: torch.nn.Module, gguf_file: Path, hf_config, dev
     from arborlm.runtime.layers.quantization.gguf_loader import load_gguf_weights
 
     load_gguf_weights(model, read_gguf_file(gguf_file), hf_config, quant_ops(device, native=native))
+
+
+def _quantize_int8(model: torch.nn.Module, device: torch.device, native: bool) -> None:
+    """Replace `model`'s loaded linears by per-channel int8 ones (`quantization="int8"`)."""
+    from arborlm.kernels.quant_ops import quant_ops
+    from arborlm.runtime.layers.quantization.int8_weights import quantize_linears_int8
+
+    quantize_linears_int8(model, quant_ops(device, native=native))

@@ -10,7 +10,9 @@ its name table.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Iterable, Mapping
+import sys
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -20,6 +22,30 @@ from arborlm.runtime.layers.linear import MergedLinear, pack_linears
 
 # Checkpoint projection name -> (our fused module name, shard id), e.g. "q_proj" -> ("qkv_proj", "q").
 StackedParams = Mapping[str, tuple[str, Hashable]]
+T = TypeVar("T")
+
+
+def weight_progress(
+    items: Iterable[T], total: int, desc: str, progress: bool | None = None, unit: str = "tensor"
+) -> Iterator[T]:
+    """`items` with a tqdm progress bar on stderr, one tick per item (a tensor, or `unit`).
+
+    Parameters
+    ----------
+    items: what is loaded or converted, one at a time.
+    total: how many there are (the bar's length).
+    desc: the bar's label ("loading weights").
+    progress: True shows the bar, False hides it, None shows it only when stderr is a
+        terminal and tqdm's own `TQDM_DISABLE` environment variable is not set (a log
+        file or a test run stays quiet).
+    """
+    from tqdm.auto import tqdm
+
+    if progress is None and not sys.stderr.isatty():
+        progress = False
+    # Without an explicit `disable`, tqdm reads TQDM_DISABLE (and the other TQDM_* defaults).
+    options = {} if progress is None else {"disable": not progress}
+    return iter(tqdm(items, total=total, desc=desc, unit=unit, file=sys.stderr, **options))
 
 
 def load_stacked_weights(
