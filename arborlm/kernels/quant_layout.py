@@ -195,6 +195,47 @@ def _tiled_bits(high: torch.Tensor, tiles: int, planes: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(np.stack(masks, axis=2))).reshape(tiles, -1)
 
 
+def quantize_per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8 quantization of a float weight (torchao's
+    `Int8WeightOnlyConfig` scheme): `weight[r] ~ q[r] * scale[r]`.
+
+    Parameters
+    ----------
+    weight: (out_features, in_features), any float dtype.
+
+    Returns
+    -------
+    (q, scale): q (out, in) int8 in [-127, 127]; scale (out,) float16, absmax / 127 of
+    the row rounded to fp16 (the kernels read fp16 scales), 1 for an all-zero row.
+    q is rounded against the fp16 scale, so q * scale is the value the kernels use.
+    """
+    w = weight.detach().float()
+    scale = (w.abs().amax(dim=1) / 127).to(torch.float16)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale.float().unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def pack_int8_per_channel(weight: torch.Tensor) -> QuantWeight:
+    """A float weight (out, in) quantized per channel (`quantize_per_channel_int8`) and
+    packed as Q8_0 tiles, each block of 32 holding its row's scale, so the Q8_0 kernels
+    serve it unchanged (1 + 2/32 bytes per weight).
+
+    Raises
+    ------
+    ValueError
+        For a weight that is not 2-D or whose in_features is not a multiple of 32.
+    """
+    if weight.dim() != 2 or weight.shape[1] % BLOCK or weight.shape[0] == 0:
+        raise ValueError(
+            f"int8 weights need a 2-D weight with in_features a multiple of {BLOCK}, got shape {tuple(weight.shape)}"
+        )
+    q, scale = quantize_per_channel_int8(weight)
+    n, k = q.shape
+    quants = (q.view(torch.uint8) ^ 0x80).reshape(n, k // BLOCK, BLOCK)  # Q8_0's stored + 128
+    return pack_rows("q8_0", GgmlRows(quants, scale.unsqueeze(1).expand(n, k // BLOCK).contiguous()))
+
+
 def unpack_rows(weight: QuantWeight, rows: torch.Tensor | None = None) -> GgmlRows:
     """Rows `rows` ((n,) int64; None = all) of a packed weight, back as quants and scales."""
     nb, f = weight.num_blocks, weight.format

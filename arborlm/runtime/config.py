@@ -21,8 +21,9 @@ from arborlm.constrained.registry import GRAMMAR_BACKEND_NAMES
 from arborlm.runtime.layers.attention.names import ATTENTION_BACKEND_NAMES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# Weight formats served as stored (SGLang's --quantization names); "none" dequantizes.
-QUANTIZATIONS = ("gguf", "none")
+# Weight formats served as stored (SGLang's --quantization names); "int8" quantizes a float
+# checkpoint's linears per channel at load (SGLang: --torchao-config int8wo); "none" dequantizes.
+QUANTIZATIONS = ("gguf", "int8", "none")
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ATTENTION_BACKENDS = ATTENTION_BACKEND_NAMES  # one list, torch-free: runtime/layers/attention/names.py
@@ -79,6 +80,7 @@ class ModelConfig:
     quantization: str | None = field(
         default=None,
         metadata={"help": "gguf: serve a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K tensors as stored (int8 kernels), "
+                          "int8: weight-only int8, per output channel, quantized at load (torchao's int8wo), "
                           "none: dequantize to dtype; default gguf for a quantized GGUF file, else none "
                           "(SGLang's --quantization)"},
     )

@@ -64,6 +64,7 @@ class ModelRunner:
         loaded = load_model(
             checkpoint, self.dtype, self.device, server_args.model.attention_backend,
             cpu_kernels=not server_args.model.disable_cpu_kernels, gguf_file=gguf_file,
+            quantization=server_args.model.quantization,
         )
         self.model, self.hf_config, self.checkpoint = loaded.model, loaded.hf_config, loaded.checkpoint
         self.architecture = loaded.architecture

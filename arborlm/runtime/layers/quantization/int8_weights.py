@@ -1,0 +1,69 @@
+"""Weight-only int8 for any float checkpoint: the `quantization="int8"` load path.
+
+After the model's float weights are loaded, `quantize_linears_int8` replaces every
+`Linear` / `MergedLinear` (a tied lm_head too: it gets its own int8 copy, the
+embedding keeps the float table) by a `QuantizedLinear` whose weight is quantized
+symmetrically per output channel (`kernels/quant_layout.quantize_per_channel_int8`,
+torchao's `Int8WeightOnlyConfig` scheme, SGLang's `--torchao-config int8wo`) and
+packed as Q8_0 tiles, so the int8 VNNI kernels of `kernels/quant_ops.py` serve it:
+decode steps take int8 dot products with activations rounded per block of 32,
+prefills dequantize to the activations' dtype and run one GEMM. The MoE experts
+(`FusedMoE`) and layers whose input width is not a multiple of 32 stay in float
+(logged).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from arborlm.kernels.quant_layout import pack_int8_per_channel
+from arborlm.kernels.quant_ops import QuantOps
+from arborlm.runtime.layers.linear import Linear
+from arborlm.runtime.layers.quantization.quant_linear import WHOLE, QuantizedLinear
+
+logger = logging.getLogger(__name__)
+INT8_BLOCK = 32  # the kernels' block of input values
+
+
+@dataclass
+class Int8Report:
+    """Module paths quantized, and those kept in float (input width not a multiple of 32)."""
+
+    quantized: list[str] = field(default_factory=list)
+    kept_float: list[str] = field(default_factory=list)
+
+
+def quantize_linears_int8(model: nn.Module, ops: QuantOps) -> Int8Report:
+    """Replace the loaded `Linear`s of `model` by per-channel int8 `QuantizedLinear`s.
+
+    Parameters
+    ----------
+    model: with its float weights loaded.
+    ops: the quantized ops the new layers run on (`kernels.quant_ops.quant_ops`).
+
+    Returns
+    -------
+    Int8Report naming what was quantized and what stayed in float.
+    """
+    report = Int8Report()
+    for path, module in list(model.named_modules()):
+        if not isinstance(module, Linear):
+            continue
+        if module.weight.shape[1] % INT8_BLOCK:
+            report.kept_float.append(path)
+            continue
+        layer = QuantizedLinear.replacing(module, ops, whole=True)
+        layer.load_shard(WHOLE, pack_int8_per_channel(module.weight), f"{path}.weight")
+        if module.bias is not None:
+            layer.load_bias(WHOLE, module.bias.detach().to(layer.bias.dtype), f"{path}.bias")
+        layer.finish(path)
+        model.set_submodule(path, layer)
+        report.quantized.append(path)
+    if report.kept_float:
+        logger.warning("int8 weights: %d linear layers kept in float (input width not a multiple of %d): %s",
+                       len(report.kept_float), INT8_BLOCK, ", ".join(report.kept_float[:4]))
+    logger.info("int8 weights: %d linear layers quantized per channel", len(report.quantized))
+    return report
