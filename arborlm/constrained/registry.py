@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from arborlm.constrained.base import GrammarBackend
 
-GRAMMAR_BACKEND_NAMES = ("xgrammar", "outlines")
+GRAMMAR_BACKEND_NAMES = ("xgrammar", "outlines", "llguidance")
 
 
 def backend_class(name: str) -> type[GrammarBackend]:
@@ -39,4 +39,8 @@ def backend_class(name: str) -> type[GrammarBackend]:
         from arborlm.constrained.outlines_backend import OutlinesBackend
 
         return OutlinesBackend
+    if name == "llguidance":
+        from arborlm.constrained.llguidance_backend import LLGuidanceBackend
+
+        return LLGuidanceBackend
     raise ValueError(f"unknown grammar backend {name!r}; expected one of {GRAMMAR_BACKEND_NAMES}")

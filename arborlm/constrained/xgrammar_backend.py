@@ -57,6 +57,7 @@ from arborlm.constrained.grammar_analysis import UnknownGrammarSyntax, unproduct
 from arborlm.constrained.json_schema import XGRAMMAR_POLICY
 from arborlm.constrained.number_bounds import bound_ebnf_digits
 from arborlm.constrained.regex_constraint import RegexDialect, dot_as_class
+from arborlm.constrained.structural_tags import from_legacy_structural_tag
 from arborlm.constrained.vocab import special_token_ids
 
 logger = logging.getLogger(__name__)
@@ -416,7 +417,7 @@ def structural_tag_json(text: str) -> str:
     if not isinstance(tag, dict):
         raise GrammarError("structural_tag must be a JSON object", "structural_tag")
     if "structures" in tag:
-        tag = _from_legacy_structural_tag(tag)
+        tag = from_legacy_structural_tag(tag)
     elif tag.get("type") != "structural_tag":
         tag = {"type": "structural_tag", "format": tag}
     _bound_json_whitespace(tag)
@@ -427,27 +428,6 @@ def _json_grammar(schema: str) -> xgr.Grammar:
     return xgr.Grammar.from_json_schema(
         schema, any_whitespace=False, separators=JSON_SEPARATORS, strict_mode=True
     )
-
-
-def _from_legacy_structural_tag(tag: dict) -> dict:
-    structures, triggers = tag.get("structures"), tag.get("triggers")
-    if not isinstance(structures, list) or not isinstance(triggers, list):
-        raise GrammarError("structural_tag: 'structures' and 'triggers' must be lists", "structural_tag")
-    tags = []
-    for item in structures:
-        if not isinstance(item, dict) or not {"begin", "schema", "end"} <= item.keys():
-            raise GrammarError(
-                "structural_tag: each structure needs 'begin', 'schema' and 'end'", "structural_tag"
-            )
-        schema = item["schema"]
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError as e:
-                raise GrammarError(f"structural_tag: a schema is not valid JSON: {e}", "structural_tag") from e
-        content = {"type": "json_schema", "json_schema": schema}
-        tags.append({"type": "tag", "begin": item["begin"], "content": content, "end": item["end"]})
-    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}}
 
 
 def _bound_json_whitespace(node: Any) -> None:

@@ -11,6 +11,7 @@ import pytest
 from arborlm.constrained.base import GrammarError
 from arborlm.constrained.json_schema import (
     LENIENT_MARK,
+    LLGUIDANCE_POLICY,
     OUTLINES_POLICY,
     XGRAMMAR_POLICY,
     Relaxed,
@@ -40,7 +41,8 @@ def test_each_backend_names_its_policy(name):
     cls = backend_class(name)
     assert cls.name == name
     assert cls.schema_policy.backend == name
-    assert cls.schema_policy is {"xgrammar": XGRAMMAR_POLICY, "outlines": OUTLINES_POLICY}[name]
+    assert cls.schema_policy is {"xgrammar": XGRAMMAR_POLICY, "outlines": OUTLINES_POLICY,
+                                 "llguidance": LLGUIDANCE_POLICY}[name]
 
 
 def test_the_config_checks_backend_names_against_the_one_list():
@@ -102,3 +104,18 @@ def test_outlines_policy_lowers_like_xgrammar_then_relaxes():
     assert json.loads(on_outlines.text) == {"type": "integer", LENIENT_MARK: True}
     assert on_outlines.dropped == ("maximum at /", "minimum at /")  # outlines drops in sorted order
     assert prepare_json_schema(schema, policy=OUTLINES_POLICY).text == on_xgrammar.text  # strict: no relax
+
+
+def test_llguidance_policy_keeps_the_schema_but_formats_it_does_not_know():
+    schema = {"type": "object", "properties": {
+        "format": {"type": "string", "format": "uri-reference"},  # a property called "format" stays
+        "when": {"type": "string", "format": "date"},
+        "tags": {"type": "array", "items": {"type": "string", "format": "iri"}, "uniqueItems": True}},
+        "enum": [{"format": "x"}]}  # values are not schemas
+    prepared = prepare_json_schema(schema, policy=LLGUIDANCE_POLICY)
+    expected = json.loads(json.dumps(schema))
+    del expected["properties"]["format"]["format"], expected["properties"]["tags"]["items"]["format"]
+    assert json.loads(prepared.text) == expected and list(json.loads(prepared.text)["properties"]) == [
+        "format", "when", "tags"]
+    assert prepared.dropped == () and json.loads(prepared.original) == schema  # outputs judged by the user's
+    assert schema["properties"]["format"]["format"] == "uri-reference"  # the caller's schema is untouched

@@ -17,8 +17,9 @@ Pipeline (`prepare`)
 --------------------
 1. Parse (`parse`): the JSON text, and the dialect it is read (and its
    outputs validated) under.
-2. Rewrite, as the policy's `SchemaForm` says. ``AS_WRITTEN``: nothing, the
-   backend compiles the user's schema. ``XGRAMMAR``: normalise (`normalise`,
+2. Rewrite, as the policy's `SchemaForm` says. ``AS_WRITTEN``: the backend
+   compiles the user's schema after the policy's ``rewrite`` if any
+   (llguidance: `llguidance`). ``XGRAMMAR``: normalise (`normalise`,
    phase A; conjunction in `merge`), an equivalent 2020-12 schema of a few
    simple shapes with every ``$ref`` in the root ``$defs``; then lower
    (`lower`, phase B) to what xgrammar 0.2.9 enforces, recording what it
@@ -69,6 +70,7 @@ from arborlm.constrained.json_schema.nodes import Relaxed
 from arborlm.constrained.json_schema.outlines import LENIENT_MARK, check_for_outlines
 from arborlm.constrained.json_schema.parse import MAX_SCHEMA_CHARS
 from arborlm.constrained.json_schema.policy import (
+    LLGUIDANCE_POLICY,
     OUTLINES_POLICY,
     XGRAMMAR_POLICY,
     SchemaForm,
@@ -79,6 +81,7 @@ from arborlm.constrained.json_schema.validate import validate_json_output
 
 __all__ = [
     "LENIENT_MARK",
+    "LLGUIDANCE_POLICY",
     "MAX_SCHEMA_CHARS",
     "OUTLINES_POLICY",
     "XGRAMMAR_POLICY",

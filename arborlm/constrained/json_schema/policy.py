@@ -21,12 +21,14 @@ own refusals (``relax``); what the backend then still cannot enforce, its
   separator-first repeat, patterns xgrammar cannot compile refused,
   ``multipleOf`` spans, int64 clamps) still run for it: a lowering of its
   own would change which schemas it accepts and the grammars it compiles.
-- A backend that enforces JSON Schema itself, keyword by keyword, and
-  reports what it does not support (llguidance) takes `SchemaForm.AS_WRITTEN`:
-  the schema is only parsed and checked against its dialect, and compiled as
-  the user wrote it; its ``relax`` (if any) turns on the backend's own lenient
-  options. The final validation (`validate_json_output`) still judges every
-  output against the whole schema.
+- llguidance (`LLGUIDANCE_POLICY`) enforces JSON Schema itself, keyword by
+  keyword, and refuses what it does not implement, naming it; it takes
+  `SchemaForm.AS_WRITTEN`: the schema is only parsed and checked against its
+  dialect, its ``rewrite`` (`llguidance_rewrite`: formats llguidance does
+  not know left out, ``format`` being an annotation) runs, and the rest is
+  compiled as the user wrote it. Lenient mode turns on llguidance's own
+  ``lenient`` option (the key's ``lenient``). The final validation
+  (`validate_json_output`) still judges every output against the whole schema.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from arborlm.constrained.json_schema.llguidance import llguidance_rewrite
 from arborlm.constrained.json_schema.nodes import Relaxed
 from arborlm.constrained.json_schema.outlines import relax_for_outlines
 
@@ -65,12 +68,18 @@ class SchemaPolicy:
         which it may change, and returns the schema to compile with what it
         left out or let through; it raises `GrammarError` for what stays
         refused. None: the backend relaxes nothing.
+    rewrite:
+        `SchemaForm.AS_WRITTEN` only: applied to the parsed schema (which it may
+        change) before it is compiled; it must keep every output it allows
+        valid against the user's schema. None: the text is the user's.
     """
 
     backend: str
     form: SchemaForm
     relax: Callable[[dict], Relaxed] | None = None
+    rewrite: Callable[[object], object] | None = None
 
 
 XGRAMMAR_POLICY = SchemaPolicy("xgrammar", SchemaForm.XGRAMMAR)
 OUTLINES_POLICY = SchemaPolicy("outlines", SchemaForm.XGRAMMAR, relax=relax_for_outlines)
+LLGUIDANCE_POLICY = SchemaPolicy("llguidance", SchemaForm.AS_WRITTEN, rewrite=llguidance_rewrite)

@@ -113,7 +113,7 @@ def _prepare(schema: str | dict | bool, lenient: bool, policy: SchemaPolicy, bud
     original = json.dumps(raw, sort_keys=True)
     if raw is False:
         raise GrammarError("json_schema is `false`, which accepts no value", PARAM)
-    text, problems = _rewrite(raw, cls, policy.form, budget)
+    text, problems = _rewrite(raw, cls, policy, budget)
     if problems and not lenient:
         raise GrammarError(_refusal_message(problems), PARAM)
     dropped = tuple(f"{keyword} at {path or '/'}" for keyword, path, _ in problems)
@@ -124,16 +124,18 @@ def _prepare(schema: str | dict | bool, lenient: bool, policy: SchemaPolicy, bud
     return PreparedSchema(text, original, dropped, dialect_of(cls))
 
 
-def _rewrite(raw: dict | bool, cls: type, form: SchemaForm, budget: RegexBudget) -> tuple[str, list[Problem]]:
-    """The text of ``raw`` in ``form``, and what that form cannot enforce.
+def _rewrite(raw: dict | bool, cls: type, policy: SchemaPolicy, budget: RegexBudget) -> tuple[str, list[Problem]]:
+    """The text of ``raw`` in the policy's form, and what that form cannot enforce.
 
     Property order is kept in every form: backends emit properties in schema
     order, and users rely on it.
     """
     if raw is True:
         return "{}", []
-    if form is SchemaForm.AS_WRITTEN:
-        return json.dumps(raw), []
+    if policy.form is SchemaForm.AS_WRITTEN:
+        if policy.rewrite is None:
+            return json.dumps(raw), []
+        return json.dumps(policy.rewrite(json.loads(json.dumps(raw)))), []  # a fresh copy to change
     normaliser = Normaliser(raw, cls, budget)
     root_a = normaliser.run()
     lowered = lower_document(root_a, normaliser)
