@@ -2,7 +2,9 @@
 
 `import arborlm as sgl` then `@sgl.function`, `sgl.gen`, `sgl.select`,
 `sgl.system/user/assistant`, `sgl.separate_reasoning`, `sgl.set_default_backend`,
-`sgl.flush_cache`, `sgl.get_server_info` work as in SGLang's frontend (``sglang/lang/api.py``).
+`sgl.flush_cache`, `sgl.get_server_info`, `sgl.Runtime`, `sgl.global_config` work as in
+SGLang's frontend (``sglang/lang/api.py``); `sgl.image` and `sgl.video` refuse, with a
+typed error, until arborlm serves multimodal models.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ import re
 from typing import Any
 
 from arborlm.errors import InvalidRequestError
-from arborlm.frontend_lang.backend.base_backend import BaseBackend
+from arborlm.frontend_lang.backend.base_backend import BaseBackend, UnsupportedByBackendError
 from arborlm.frontend_lang.choices import ChoicesSamplingMethod, token_length_normalized
+from arborlm.frontend_lang.global_config import global_config
 from arborlm.frontend_lang.ir import (
     SglExpr,
     SglExprList,
@@ -25,25 +28,23 @@ from arborlm.frontend_lang.ir import (
 )
 from arborlm.frontend_lang.select import check_choices
 
+# A JSON string literal (RFC 8259: no raw control character, only JSON's escapes), so that
+# text built from `gen_string()` pieces parses with `json.loads`.
+JSON_STRING_REGEX = r'"([^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"'
 # The regex each `dtype` of `gen` constrains the output to (SGLang's REGEX_INT... without
-# trailing whitespace, so the grammar ends and the model stops right after the value).
+# trailing whitespace, so the grammar ends and the model stops right after the value;
+# str is a JSON string, where SGLang's REGEX_STR allows only word characters and spaces).
 DTYPE_REGEX = {
     int: r"[-+]?[0-9]{1,18}",
     float: r"[-+]?[0-9]{1,18}(\.[0-9]{1,18})?",
     bool: r"(True|False)",
-    str: r'"[^"\\\n]*"',
+    str: JSON_STRING_REGEX,
 }
-_DTYPE_NAMES = {"int": int, "float": float, "bool": bool, "str": str}
-
-
-class _DefaultBackend:
-    """Holds the backend set by `set_default_backend` (SGLang's API needs one per process)."""
-
-    backend: BaseBackend | None = None
+_DTYPE_NAMES = {"int": int, "float": float, "bool": bool, "str": str, "string": str}
 
 
 def as_backend(backend: Any) -> BaseBackend:
-    """A backend from a backend or an `Engine`.
+    """A backend from a backend, an `Engine` or a `Runtime` (its `endpoint`).
 
     Raises
     ------
@@ -60,16 +61,21 @@ def as_backend(backend: Any) -> BaseBackend:
         if cached is None:  # one per engine: deriving the chat template renders it several times
             cached = backend._frontend_backend = EngineBackend(backend)
         return cached
-    raise TypeError(f"expected a backend or an arborlm.Engine, got {type(backend).__name__}")
+    if isinstance(getattr(backend, "endpoint", None), BaseBackend):  # a Runtime, as SGLang unwraps it
+        return backend.endpoint
+    raise TypeError(f"expected a backend, an arborlm.Engine or an arborlm.Runtime, got {type(backend).__name__}")
 
 
 def set_default_backend(backend: Any) -> None:
-    """Use `backend` (a backend or an `Engine`) for programs run without `backend=`."""
-    _DefaultBackend.backend = as_backend(backend)
+    """Use `backend` (a backend, an `Engine` or a `Runtime`) for programs run without `backend=`;
+    it is `global_config.default_backend` afterwards."""
+    global_config.default_backend = as_backend(backend)
 
 
 def get_default_backend() -> BaseBackend | None:
-    return _DefaultBackend.backend
+    """The default backend, or None."""
+    backend = global_config.default_backend
+    return None if backend is None else as_backend(backend)
 
 
 def resolve_backend(backend: Any = None) -> BaseBackend:
@@ -81,19 +87,69 @@ def resolve_backend(backend: Any = None) -> BaseBackend:
     """
     if backend is not None:
         return as_backend(backend)
-    if _DefaultBackend.backend is None:
+    default = get_default_backend()
+    if default is None:
         raise ValueError("no backend: pass backend=... or call set_default_backend(...)")
-    return _DefaultBackend.backend
+    return default
 
 
 def flush_cache(backend: Any = None) -> bool:
-    """Empty the (default) backend's radix cache; False while requests are in flight."""
-    return resolve_backend(backend).flush_cache()
+    """Empty the (default) backend's radix cache; False while requests are in flight, or
+    when there is no backend at all (as SGLang's)."""
+    backend = backend if backend is not None else get_default_backend()
+    return False if backend is None else as_backend(backend).flush_cache()
 
 
-def get_server_info(backend: Any = None) -> dict[str, Any]:
-    """The (default) backend's server info: KV slots, running requests, cache hit rate..."""
-    return resolve_backend(backend).get_server_info()
+def get_server_info(backend: Any = None) -> dict[str, Any] | None:
+    """The (default) backend's server info (KV slots, running requests, cache hit rate...);
+    None when there is no backend at all (as SGLang's)."""
+    backend = backend if backend is not None else get_default_backend()
+    return None if backend is None else as_backend(backend).get_server_info()
+
+
+def Runtime(*args: Any, **kwargs: Any):  # noqa: N802 - SGLang's name for it
+    """A local `arborlm serve` started from Python (`arborlm/frontend_lang/runtime.py`)."""
+    from arborlm.frontend_lang.runtime import Runtime as _Runtime
+
+    return _Runtime(*args, **kwargs)
+
+
+def _refused_backend(name: str, package: str):
+    def refuse(*args: Any, **kwargs: Any) -> BaseBackend:
+        raise UnsupportedByBackendError(
+            f"sgl.{name}: arborlm has no {name} backend (it would need the {package!r} client and {name}'s own "
+            "API); use sgl.OpenAI for any OpenAI-compatible server, or an Engine / RuntimeEndpoint", name)
+
+    refuse.__name__ = refuse.__qualname__ = name
+    refuse.__doc__ = f"SGLang's {name} backend. Refused: raises `UnsupportedByBackendError`."
+    return refuse
+
+
+Anthropic = _refused_backend("Anthropic", "anthropic")
+LiteLLM = _refused_backend("LiteLLM", "litellm")
+VertexAI = _refused_backend("VertexAI", "vertexai")
+
+
+def image(expr: Any) -> SglExpr:
+    """SGLang's image input. Refused: arborlm serves text-only models.
+
+    Raises
+    ------
+    UnsupportedByBackendError: always (param "image").
+    """
+    raise UnsupportedByBackendError(
+        "sgl.image(): arborlm serves text-only models, so programs cannot send images", "image")
+
+
+def video(path: str, num_frames: int) -> SglExpr:
+    """SGLang's video input. Refused: arborlm serves text-only models.
+
+    Raises
+    ------
+    UnsupportedByBackendError: always (param "video").
+    """
+    raise UnsupportedByBackendError(
+        "sgl.video(): arborlm serves text-only models, so programs cannot send videos", "video")
 
 
 def gen(
@@ -103,13 +159,13 @@ def gen(
     n: int | None = None,
     stop: str | list[str] | None = None,
     stop_token_ids: list[int] | None = None,
+    stop_regex: str | list[str] | None = None,
     temperature: float | None = None,
     top_p: float | None = None,
     top_k: int | None = None,
     min_p: float | None = None,
     frequency_penalty: float | None = None,
     presence_penalty: float | None = None,
-    repetition_penalty: float | None = None,
     ignore_eos: bool | None = None,
     return_logprob: bool | None = None,
     logprob_start_len: int | None = None,
@@ -120,22 +176,31 @@ def gen(
     choices_method: ChoicesSamplingMethod | None = None,
     regex: str | None = None,
     json_schema: Any = None,
+    repetition_penalty: float | None = None,
     seed: int | None = None,
 ) -> SglExpr:
     """Generate text at this point of the program and store it under `name`.
 
-    `max_tokens` maps to `max_new_tokens` and `min_tokens` to `min_new_tokens`;
-    unset fields take the program's defaults, then `SamplingParams`' defaults.
+    The parameters are SGLang's, in its order (`repetition_penalty` and `seed`, which
+    SGLang's `gen` lacks, come last). `max_tokens` maps to `max_new_tokens` and
+    `min_tokens` to `min_new_tokens`; unset fields take the program's defaults, then
+    `SamplingParams`' defaults.
 
     At most one constraint: `regex`; `json_schema` as a dict, its JSON text or
     a pydantic model class; `dtype` (int, float, bool or str, as a type or its
-    name: a regex for that literal; the variable holds the text); `choices`,
-    which makes this a `select` (SGLang's meaning: the choices are scored, not sampled).
+    name: a regex for that literal, str a JSON string literal; the variable holds the
+    text); `choices`, which makes this a `select` (SGLang's meaning: the choices are
+    scored, not sampled).
+
+    `stop_regex` (a pattern or a list) ends the generation where a pattern first
+    matches the generated text; the text up to the end of the match is kept (the
+    interpreter streams the generation and cuts it there). `return_text_in_logprobs`
+    fills each logprob triple's token text.
 
     Raises
     ------
     InvalidRequestError: more than one constraint, empty / non-string choices,
-        an invalid regex, an unknown dtype, `n` other than 1.
+        an invalid regex or stop_regex, an unknown dtype, `n` other than 1.
     """
     given = [k for k, v in (("regex", regex), ("json_schema", json_schema), ("choices", choices),
                             ("dtype", dtype)) if v is not None]
@@ -151,10 +216,7 @@ def gen(
         if regex is None:
             raise InvalidRequestError(f"dtype must be int, float, bool or str, got {dtype!r}", "dtype")
     if regex is not None:
-        try:
-            re.compile(regex)
-        except re.error as e:
-            raise InvalidRequestError(f"invalid regex {regex!r}: {e}", "regex") from e
+        _compile(regex, "regex")
     sampling = {
         "max_new_tokens": max_tokens,
         "stop": stop,
@@ -173,9 +235,37 @@ def gen(
         "json_schema": schema_of(json_schema),
     }
     logprobs = {"return_logprob": return_logprob, "logprob_start_len": logprob_start_len,
-                "top_logprobs_num": top_logprobs_num}
+                "top_logprobs_num": top_logprobs_num, "return_text_in_logprobs": return_text_in_logprobs}
     return SglGen(name, {k: v for k, v in sampling.items() if v is not None},
-                  {k: v for k, v in logprobs.items() if v is not None})
+                  {k: v for k, v in logprobs.items() if v is not None},
+                  stop_regex=_stop_regexes(stop_regex))
+
+
+def _compile(pattern: Any, param: str) -> re.Pattern:
+    """`pattern` compiled.
+
+    Raises
+    ------
+    InvalidRequestError: not a string, or not a valid regex (naming `param`).
+    """
+    if not isinstance(pattern, str) or not pattern:
+        raise InvalidRequestError(f"{param} must be a non-empty string, got {pattern!r}", param)
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise InvalidRequestError(f"invalid {param} {pattern!r}: {e}", param) from e
+
+
+def _stop_regexes(stop_regex: Any) -> list[str] | None:
+    """`stop_regex` as a list of valid patterns (None when not given)."""
+    if stop_regex is None:
+        return None
+    patterns = [stop_regex] if isinstance(stop_regex, str) else stop_regex
+    if not isinstance(patterns, (list, tuple)) or not patterns:
+        raise InvalidRequestError("stop_regex must be a pattern or a non-empty list of patterns", "stop_regex")
+    for pattern in patterns:
+        _compile(pattern, "stop_regex")
+    return list(patterns)
 
 
 def gen_int(name: str | None = None, **kwargs: Any) -> SglExpr:
@@ -262,13 +352,27 @@ def assistant(expr: Any = None) -> SglExpr:
     return role_block("assistant", expr)
 
 
-def function(func=None, **_options: Any):
-    """Decorator that turns `def prog(s, ...)` into a runnable `SglFunction`."""
+def function(func=None, num_api_spec_tokens: int | None = None):
+    """Decorator that turns `def prog(s, ...)` into a runnable `SglFunction`.
+
+    `@function(num_api_spec_tokens=N)` turns on SGLang's API speculative execution:
+    one request generates N tokens ahead and the program's next gens (each ending at
+    a stop string) are cut from it while the text the program appends in between
+    matches (`speculative.py`).
+
+    Raises
+    ------
+    ValueError: `num_api_spec_tokens` is not a positive integer.
+    """
     from arborlm.frontend_lang.function import SglFunction
 
+    if num_api_spec_tokens is not None and (
+            not isinstance(num_api_spec_tokens, int) or isinstance(num_api_spec_tokens, bool)
+            or num_api_spec_tokens < 1):
+        raise ValueError(f"num_api_spec_tokens must be a positive integer, got {num_api_spec_tokens!r}")
     if func is None:
-        return lambda f: SglFunction(f)
-    return SglFunction(func)
+        return lambda f: SglFunction(f, num_api_spec_tokens=num_api_spec_tokens)
+    return SglFunction(func, num_api_spec_tokens=num_api_spec_tokens)
 
 
 def system_begin() -> SglExpr:

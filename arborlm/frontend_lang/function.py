@@ -19,24 +19,31 @@ from typing import Any
 from arborlm.chat_template import ChatTemplate
 from arborlm.frontend_lang.api import resolve_backend
 from arborlm.frontend_lang.backend.base_backend import BaseBackend
+from arborlm.frontend_lang.global_config import global_config
 from arborlm.frontend_lang.interpreter import StreamExecutor
 from arborlm.frontend_lang.program_state import ProgramState
-from arborlm.frontend_lang.tracer import TracedProgram, trace_program
+from arborlm.frontend_lang.tracer import TracedProgram, TracerProgramState, trace_program
 
 # SGLang's `run` keyword names for program-wide sampling defaults → `SamplingParams` fields.
 _RUN_SAMPLING_ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
 
 
 class SglFunction:
-    """A prompt program: a Python function whose first argument is the `ProgramState`."""
+    """A prompt program: a Python function whose first argument is the `ProgramState`.
 
-    def __init__(self, func, bind_arguments: dict[str, Any] | None = None):
+    num_api_spec_tokens: API speculative execution's look-ahead in tokens (`speculative.py`), or None.
+    """
+
+    def __init__(self, func, bind_arguments: dict[str, Any] | None = None, num_api_spec_tokens: int | None = None):
         self.func = func
         self.bind_arguments = dict(bind_arguments or {})
-        params = list(inspect.signature(func).parameters)
-        if not params:
+        self.num_api_spec_tokens = num_api_spec_tokens
+        parameters = list(inspect.signature(func).parameters.values())
+        if not parameters:
             raise TypeError(f"@function {func.__name__} must take the program state as its first argument")
-        self.arg_names = params[1:]
+        self.arg_names = [p.name for p in parameters[1:]]
+        # Arguments a positional batch item may leave out: those with defaults (SGLang's `arg_defaults`).
+        self.num_required_args = sum(1 for p in parameters[1:] if p.default is inspect.Parameter.empty)
         functools.update_wrapper(self, func)
 
     def bind(self, **kwargs: Any) -> SglFunction:
@@ -49,7 +56,7 @@ class SglFunction:
         unknown = sorted(set(kwargs) - set(self.arg_names))
         if unknown:
             raise TypeError(f"{self.func.__name__}() has no parameter(s) {unknown}")
-        return SglFunction(self.func, {**self.bind_arguments, **kwargs})
+        return SglFunction(self.func, {**self.bind_arguments, **kwargs}, self.num_api_spec_tokens)
 
     # ---- running --------------------------------------------------------------------
 
@@ -76,6 +83,8 @@ class SglFunction:
         if not stream:
             state.sync()
             state.stream_executor.raise_error()
+            if global_config.verbosity >= 2:
+                print(state.text())
         return state
 
     def run_batch(
@@ -95,22 +104,25 @@ class SglFunction:
 
         Parameters
         ----------
-        batch_kwargs: one dict of program arguments per run.
+        batch_kwargs: one dict of program arguments per run, or one tuple (list) of
+            positional arguments per run, in the program's parameter order (SGLang's two forms).
         num_threads: programs run at once; "auto" is max(96, 16 per CPU) capped at the batch size.
         progress_bar: show a tqdm bar of finished items.
         sampling_kwargs: sampling defaults for every `gen`, as in `run`.
 
         Raises
         ------
-        ValueError: no backend; TypeError: an item is not a dict.
+        ValueError: no backend; TypeError: an item is neither a dict nor a tuple of the
+            program's positional arguments (or has too few or too many of them).
         """
         backend = resolve_backend(backend)
-        if not all(isinstance(item, dict) for item in batch_kwargs):
-            raise TypeError("run_batch takes a list of dicts of program arguments")
+        if not isinstance(batch_kwargs, (list, tuple)):
+            raise TypeError(f"run_batch takes a list of argument dicts or tuples, got {type(batch_kwargs).__name__}")
+        batch_kwargs = [self._as_kwargs(item, i) for i, item in enumerate(batch_kwargs)]
         if not batch_kwargs:
             return []
         _, sampling = self._split_kwargs(sampling_kwargs)
-        if len(batch_kwargs) > 1:
+        if len(batch_kwargs) > 1 and global_config.enable_precache_with_tracing:
             self.prefill_prefix(backend, batch_kwargs)
         if num_threads == "auto":
             num_threads = max(96, (os.cpu_count() or 1) * 16)
@@ -123,6 +135,19 @@ class SglFunction:
                 for _ in tqdm(as_completed(futures), total=len(futures), desc=self.func.__name__):
                     pass
             return [f.result() for f in futures]
+
+    def _as_kwargs(self, item: Any, index: int) -> dict[str, Any]:
+        """A batch item as keyword arguments: a dict as it is, a tuple of positional arguments by name."""
+        if isinstance(item, dict):
+            return item
+        if isinstance(item, (list, tuple)):
+            free = [n for n in self.arg_names if n not in self.bind_arguments]
+            if not self.num_required_args - len(self.bind_arguments) <= len(item) <= len(free):
+                raise TypeError(f"run_batch item {index} has {len(item)} positional arguments; "
+                                f"{self.func.__name__}() takes {free}")
+            return dict(zip(free, item, strict=False))
+        raise TypeError(f"run_batch item {index} is a {type(item).__name__}: give a dict of arguments "
+                        "or a tuple of positional arguments")
 
     def _run_item(self, backend: BaseBackend, sampling: dict[str, Any], item: dict[str, Any]) -> ProgramState:
         """One batch item; its error is kept in its state, not raised."""
@@ -139,7 +164,7 @@ class SglFunction:
         return state
 
     def _start(self, backend: BaseBackend, sampling: dict[str, Any], stream: bool) -> ProgramState:
-        return ProgramState(StreamExecutor(backend, sampling, stream))
+        return ProgramState(StreamExecutor(backend, sampling, stream, num_api_spec_tokens=self.num_api_spec_tokens))
 
     def _split_kwargs(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """(program arguments, sampling defaults under `SamplingParams` names)."""
@@ -186,8 +211,17 @@ class SglFunction:
         return backend.prefill(prefix) if prefix else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Inside another program: `f(s, ...)` runs `f` on the same state (nested call)."""
-        return self.func(*args, **{**self.bind_arguments, **kwargs})
+        """`f(...)` is `f.run(...)` (SGLang's shorthand: `f(question=..., temperature=0, stream=True)`);
+        inside another program, `f(s, ...)` with that program's state runs `f` on the same state
+        (a nested call) and returns what `f` returns."""
+        if args and _is_state(args[0]):
+            return self.func(*args, **{**self.bind_arguments, **kwargs})
+        return self.run(*args, **kwargs)
+
+
+def _is_state(value: Any) -> bool:
+    """A program state a nested call continues: a running one, or the tracer's stand-in."""
+    return isinstance(value, (ProgramState, TracerProgramState))
 
 
 class CompiledFunction:

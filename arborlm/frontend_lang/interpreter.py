@@ -17,11 +17,18 @@ After SGLang's ``sglang/lang/interpreter.py`` (``StreamExecutor``).
 from __future__ import annotations
 
 import queue
+import re
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 from arborlm.chat_template import ChatTemplate
-from arborlm.frontend_lang.backend.base_backend import BaseBackend
+from arborlm.frontend_lang.backend.base_backend import (
+    BaseBackend,
+    StreamChunk,
+    UnsupportedByBackendError,
+)
+from arborlm.frontend_lang.global_config import global_config
 from arborlm.frontend_lang.ir import (
     SglConstantText,
     SglExpr,
@@ -35,6 +42,16 @@ from arborlm.frontend_lang.ir import (
     flatten,
 )
 from arborlm.frontend_lang.select import select_choice
+from arborlm.frontend_lang.speculative import (
+    SPEC_MAX_NUM_TRIES,
+    ChatTerm,
+    Speculation,
+    SpeculationMismatch,
+    can_speculate,
+    match_terms,
+    speculated_meta,
+    stop_strings,
+)
 
 _END = object()
 
@@ -48,13 +65,19 @@ class StreamExecutor:
     default_sampling: sampling fields applied to every `gen` unless it sets them.
     stream: generate with `backend.stream`, so `text_iter` sees text as it arrives.
     chat_template: role markers; the backend's when None.
+    num_api_spec_tokens: turn on API speculative execution with this many tokens
+        generated ahead (`speculative.py`); None: off.
     """
 
     def __init__(self, backend: BaseBackend, default_sampling: dict[str, Any] | None = None, stream: bool = False,
-                 chat_template: ChatTemplate | None = None):
+                 chat_template: ChatTemplate | None = None, num_api_spec_tokens: int | None = None):
         self.backend = backend
         self.default_sampling = dict(default_sampling or {})
         self.stream = stream
+        self.num_api_spec_tokens = num_api_spec_tokens
+        self.speculation = Speculation()
+        self.spec_terms: list[ChatTerm] | None = None  # the assistant turn being collected (chat speculation)
+        self._spec_sampling: dict[str, Any] = {}  # the sampling of that turn's first gen
         self.chat_template = chat_template or backend.get_chat_template()
         self.text_ = ""
         self.messages_: list[dict[str, str]] = []
@@ -117,7 +140,7 @@ class StreamExecutor:
 
     def _execute(self, expr: SglExpr) -> None:
         if isinstance(expr, SglConstantText):
-            self._append(expr.value)
+            self._fill(expr.value)
         elif isinstance(expr, SglExprList):
             for e in expr.exprs:
                 self._execute(e)
@@ -135,6 +158,14 @@ class StreamExecutor:
             self._set_var(expr.name, self.text_[self.var_scopes.pop(expr.name):], None)
         else:
             raise TypeError(f"unsupported expression {type(expr).__name__}")
+
+    def _fill(self, text: str) -> None:
+        """Program text: collected inside a speculated chat turn, else consumed from the speculation and appended."""
+        if self.spec_terms is not None:
+            self.spec_terms.append(ChatTerm(text=text))
+            return
+        self.speculation.fill(text)
+        self._append(text)
 
     def _append(self, text: str) -> None:
         with self.cond:
@@ -156,27 +187,127 @@ class StreamExecutor:
     # ---- gen and select -------------------------------------------------------------
 
     def _execute_gen(self, expr: SglGen) -> None:
-        sampling = {**self.default_sampling, **expr.sampling}
+        sampling = {**global_config.detokenize_options(), **self.default_sampling, **expr.sampling}
         options = dict(expr.logprobs)
+        if self.spec_terms is not None:
+            self._collect_spec_gen(expr, sampling, options)
+            return
+        if self.num_api_spec_tokens and not self.stream and can_speculate(sampling, options, expr.stop_regex):
+            if self._speculated_gen(expr, sampling):
+                return
         if self.backend.uses_chat_messages and self.cur_role == "assistant":
             options["messages"] = self._chat_messages()
-        if not self.stream:
+        self.speculation.fill("")  # a gen made on its own request ends any speculation
+        if expr.stop_regex:
+            self._gen_until_regex(expr, sampling, options)
+        elif self.stream:
+            self._consume(expr, self.backend.stream(self.text_, sampling, **options))
+        else:
             text, meta = self.backend.generate(self.text_, sampling, **options)
+            self.backend.token_usage.add(meta)
             self._append(text)
             self._set_gen_var(expr, text, meta)
-            return
-        prompt, pieces, meta = self.text_, [], {}
-        for chunk in self.backend.stream(prompt, sampling, **options):
-            with self.cond:
-                pieces.append(chunk.text)
-                self.text_ += chunk.text
+
+    def _consume(self, expr: SglGen, chunks: Iterable[StreamChunk],
+                 cut: list[re.Pattern] | None = None) -> None:
+        """Append a streamed generation as it arrives (the variable grows with it); with `cut`,
+        stop at the first match of a pattern in the generated text, keep the text up to the
+        match's end and close the stream, which aborts the request."""
+        pieces, meta, matched = "", {}, None
+        try:
+            for chunk in chunks:
                 if chunk.meta_info is not None:
                     meta = chunk.meta_info
-                if expr.name is not None:
-                    self.variables[expr.name] = "".join(pieces)
-                    self.meta_info[expr.name] = meta
-                self.cond.notify_all()
-        self._set_gen_var(expr, "".join(pieces), meta)
+                new = chunk.text
+                if cut:
+                    end, matched = _first_match(cut, pieces + new)
+                    if matched is not None:
+                        new = (pieces + new)[len(pieces):end]
+                with self.cond:
+                    pieces += new
+                    self.text_ += new
+                    if expr.name is not None:
+                        self.variables[expr.name] = pieces
+                        self.meta_info[expr.name] = meta
+                    self.cond.notify_all()
+                if matched is not None:
+                    break
+        finally:
+            close = getattr(chunks, "close", None)
+            if close is not None:
+                close()
+        if matched is not None:
+            meta = {**meta, "finish_reason": {"type": "stop", "matched": matched}}
+        self.backend.token_usage.add(meta)
+        self._set_gen_var(expr, pieces, meta)
+
+    def _gen_until_regex(self, expr: SglGen, sampling: dict[str, Any], options: dict[str, Any]) -> None:
+        """A gen with `stop_regex`: streamed (whatever `stream` says) and cut where a pattern first matches."""
+        patterns = [re.compile(p) for p in expr.stop_regex]
+        self._consume(expr, self.backend.stream(self.text_, sampling, **options), patterns)
+
+    # ---- API speculative execution ------------------------------------------------------
+
+    def _speculated_gen(self, expr: SglGen, sampling: dict[str, Any]) -> bool:
+        """Serve a gen from the speculation, making one speculative request when it is empty.
+
+        False when the speculation cannot tell where this gen ends (then it runs on its own request).
+        """
+        stops = stop_strings(sampling)
+        text = self.speculation.take(stops)
+        meta = speculated_meta(stops)
+        if text is None:
+            request = {k: v for k, v in sampling.items() if k != "stop"}
+            request["max_new_tokens"] = max(int(sampling.get("max_new_tokens") or 0), self.num_api_spec_tokens)
+            out, meta = self.backend.generate(self.text_, request)
+            self.backend.token_usage.add(meta)
+            self.speculation.reset(out, meta)
+            text = self.speculation.take(stops)
+            if text is None:
+                self.speculation.fill("")
+                return False
+        self._append(text)
+        self._set_gen_var(expr, text, meta)
+        return True
+
+    def _collect_spec_gen(self, expr: SglGen, sampling: dict[str, Any], options: dict[str, Any]) -> None:
+        """A gen inside a speculated assistant turn: noted, generated when the turn ends."""
+        if self.stream or options or expr.stop_regex or expr.reasoning_parser or any(
+                sampling.get(k) is not None for k in ("regex", "json_schema", "ebnf")):
+            raise UnsupportedByBackendError(
+                "API speculative execution (num_api_spec_tokens) serves plain gens only: no stream, constraint, "
+                "stop_regex, logprobs or separate_reasoning inside a speculated assistant turn", "num_api_spec_tokens")
+        if not any(t.is_gen for t in self.spec_terms):
+            self._spec_sampling = {k: v for k, v in sampling.items() if k not in ("stop", "max_new_tokens")}
+        self.spec_terms.append(ChatTerm(name=expr.name, stops=stop_strings(sampling), is_gen=True))
+
+    def _finish_spec_turn(self) -> None:
+        """Generate the collected assistant turn in one chat completion and fill in its text and gens.
+
+        Raises
+        ------
+        SpeculationMismatch: no completion followed the turn's text and gens in `SPEC_MAX_NUM_TRIES` tries.
+        """
+        terms, self.spec_terms = self.spec_terms, None
+        texts, meta = [t.text for t in terms], None
+        if any(t.is_gen for t in terms):
+            request = {**self._spec_sampling, "max_new_tokens": self.num_api_spec_tokens}
+            for _ in range(SPEC_MAX_NUM_TRIES):
+                completion, meta = self.backend.generate(self.text_, request, messages=self._chat_messages())
+                self.backend.token_usage.add(meta)
+                texts = match_terms(terms, completion)
+                if texts is not None:
+                    break
+            else:
+                raise SpeculationMismatch(
+                    f"the speculated assistant turn did not follow the program's text and gens in "
+                    f"{SPEC_MAX_NUM_TRIES} tries (last completion: {completion[:200]!r})")
+        first = True
+        for term, text in zip(terms, texts, strict=True):
+            self._append(text)
+            if term.is_gen:
+                self._set_var(term.name, text, meta if first else speculated_meta(term.stops))
+                first = False
 
     def _set_gen_var(self, expr: SglGen, text: str, meta: dict[str, Any] | None) -> None:
         """The generated text under the gen's name; after `separate_reasoning`, the answer there and
@@ -206,7 +337,9 @@ class StreamExecutor:
 
             raise InvalidRequestError("select scores its choices and picks the best; temperature must be 0",
                                       "temperature")
+        self.speculation.fill("")
         decision = select_choice(self.backend, self.text_, expr.choices, expr.choices_method)
+        self.backend.token_usage.add(decision.meta_info)
         self._append(decision.decision)
         self._set_var(expr.name, decision.decision, decision.meta_info)
 
@@ -216,15 +349,19 @@ class StreamExecutor:
         if self.cur_role is not None:
             raise ValueError(f"role {role!r} opened inside role {self.cur_role!r}; close it first")
         self.cur_role = role
-        self._append(self.chat_template.prefix(role))
+        self._fill(self.chat_template.prefix(role))
         self.cur_role_begin_pos = len(self.text_)
+        if self.num_api_spec_tokens and role == "assistant" and self.backend.uses_chat_messages:
+            self.spec_terms, self._spec_sampling = [], {}
 
     def _role_end(self, role: str) -> None:
         if self.cur_role != role:
             raise ValueError(f"role {role!r} closed while {self.cur_role!r} is open")
+        if self.spec_terms is not None:
+            self._finish_spec_turn()
         content = self.text_[self.cur_role_begin_pos:]
         self.messages_.append({"role": role, "content": content})
-        self._append(self.chat_template.suffix(role))
+        self._fill(self.chat_template.suffix(role))
         self.cur_role = None
 
     # ---- forks ----------------------------------------------------------------------
@@ -238,11 +375,15 @@ class StreamExecutor:
         """
         self.sync()
         self.raise_error()
+        if self.spec_terms is not None:
+            raise UnsupportedByBackendError("fork inside a speculated assistant turn: close the turn first",
+                                            "num_api_spec_tokens")
         if size > 1 and self.text_:
-            self.backend.prefill(self.text_)
+            self.backend.token_usage.add(self.backend.prefill(self.text_))
         forks = []
         for _ in range(size):
-            child = StreamExecutor(self.backend, self.default_sampling, self.stream, self.chat_template)
+            child = StreamExecutor(self.backend, self.default_sampling, self.stream, self.chat_template,
+                                   self.num_api_spec_tokens)
             child.text_ = self.text_
             child.messages_ = list(self.messages_)
             child.variables = dict(self.variables)
@@ -269,3 +410,13 @@ class StreamExecutor:
             self.raise_error()
             raise KeyError(f"no variable {name!r} in the program (variables: {sorted(self.variables)})")
         return self.variables[name]
+
+
+def _first_match(patterns: list[re.Pattern], text: str) -> tuple[int, str | None]:
+    """(end of the earliest match of any pattern in `text`, that pattern's text), or (-1, None)."""
+    best = None
+    for pattern in patterns:
+        m = pattern.search(text)
+        if m is not None and (best is None or (m.start(), m.end()) < (best[0].start(), best[0].end())):
+            best = (m, pattern.pattern)
+    return (best[0].end(), best[1]) if best else (-1, None)

@@ -15,6 +15,15 @@ from typing import Any
 
 ROLES = ("system", "user", "assistant")
 
+# SGLang's public regexes for typed literals (``sglang/lang/ir.py``), with its values: programs
+# import them for `gen(regex=...)`. The int and float ones end in optional spaces or newlines,
+# which is why SGLang's programs pair them with ``stop=[" ", "\n"]``. `gen(dtype=...)` uses
+# tighter ones of its own (`api.DTYPE_REGEX`).
+REGEX_INT = r"[-+]?[0-9]+[ \n]*"
+REGEX_FLOAT = r"[-+]?[0-9]*\.?[0-9]+[ \n]*"
+REGEX_BOOL = r"(True|False)"
+REGEX_STR = r"\"[\w\d\s]*\""
+
 
 class SglExpr:
     """Base of every expression; `+` concatenates."""
@@ -48,12 +57,15 @@ class SglGen(SglExpr):
     logprobs: `return_logprob`, `logprob_start_len`, `top_logprobs_num` when given.
     reasoning_parser: set by `separate_reasoning`: the variable holds the answer and
         `<name>_reasoning_content` the thinking (the program's text keeps both).
+    stop_regex: patterns that end the generation where one first matches the generated
+        text (the match is kept, as SGLang's runtime keeps it); the interpreter enforces them.
     """
 
     name: str | None
     sampling: dict[str, Any] = field(default_factory=dict)
     logprobs: dict[str, Any] = field(default_factory=dict)
     reasoning_parser: str | None = None
+    stop_regex: list[str] | None = None
 
     @property
     def reasoning_name(self) -> str:

@@ -81,6 +81,17 @@ class ProgramState:
         yield
         self.stream_executor.submit(end, program_line())
 
+    @contextlib.contextmanager
+    def copy(self, position_ids_offset: Any = None) -> Iterator[ProgramState]:
+        """`with s.copy() as c:` a fork of one that is joined when the block ends (SGLang's `copy`):
+        what `c` generates does not enter `s`'s text; the variables `c` sets become
+        one-item lists on `s` (``join("gather_variable")``)."""
+        group = self.fork(1, position_ids_offset)
+        try:
+            yield group[0]
+        finally:
+            group.join()
+
     def fork(self, size: int = 1, position_ids_offset: Any = None) -> ProgramStateGroup:
         """`size` copies of this state that continue independently (and concurrently).
 
@@ -202,6 +213,16 @@ class ProgramStateGroup:
 
     def __getitem__(self, i: int) -> ProgramState:
         return self.states[i]
+
+    def __setitem__(self, i: int, value: ProgramState) -> None:
+        """What ``forks[i] += expr`` ends with: Python stores the branch back, which must be that branch.
+
+        Raises
+        ------
+        TypeError: `value` is not branch `i` itself (a group's branches cannot be replaced).
+        """
+        if value is not self.states[i]:
+            raise TypeError("a fork group's branches cannot be replaced; append to one with forks[i] += ...")
 
     def __len__(self) -> int:
         return len(self.states)

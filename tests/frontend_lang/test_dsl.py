@@ -104,13 +104,13 @@ def test_run_without_backend_is_clear_error():
 
     previous = sgl.get_default_backend()
     try:
-        from arborlm.frontend_lang.api import _DefaultBackend
+        from arborlm.frontend_lang.global_config import global_config
 
-        _DefaultBackend.backend = None
+        global_config.default_backend = None
         with pytest.raises(ValueError, match="backend"):
             prog.run()
     finally:
-        _DefaultBackend.backend = previous
+        global_config.default_backend = previous
 
 
 def test_chat_template_markers_follow_the_tokenizer(tiny_tokenizer):
@@ -147,9 +147,9 @@ def test_set_default_backend_accepts_engine(engine):
         state = two_turns.run(question="Hi", temperature=0)
         assert isinstance(state["second"], str)
     finally:
-        from arborlm.frontend_lang.api import _DefaultBackend
+        from arborlm.frontend_lang.global_config import global_config
 
-        _DefaultBackend.backend = previous
+        global_config.default_backend = previous
 
 
 def test_bad_sampling_in_gen_is_typed_error_and_engine_keeps_serving(engine):

@@ -9,7 +9,7 @@ import re
 import pytest
 
 import arborlm as sgl
-from arborlm.frontend_lang.api import _DefaultBackend
+from arborlm.frontend_lang.global_config import global_config
 
 LONG_SYSTEM = " ".join(f"Rule {i}: answer briefly and cite the manual section {i}." for i in range(40))
 
@@ -169,4 +169,4 @@ def test_server_info_flush_and_nested_programs(engine):
         info = sgl.get_server_info()
         assert info["num_prompt_tokens"] > 0 and sgl.flush_cache() is True
     finally:
-        _DefaultBackend.backend = previous
+        global_config.default_backend = previous

@@ -14,8 +14,10 @@ nothing) or raise `UnsupportedByBackendError` (`score`, `flush_cache`,
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from arborlm.chat_template import ChatTemplate
@@ -33,6 +35,32 @@ class StreamChunk(NamedTuple):
     meta_info: dict[str, Any] | None
 
 
+@dataclass
+class TokenUsage:
+    """Tokens a backend's requests used since the last `reset` (SGLang's ``backend.token_usage``).
+
+    prompt_tokens: prompt tokens of every request (generations, prefills, `select`'s scoring),
+        cached ones included, as the servers' usage counts them.
+    completion_tokens: generated tokens.
+    """
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, meta_info: dict[str, Any] | None) -> None:
+        """Count one request from its meta info ("prompt_tokens", "completion_tokens"); None counts nothing."""
+        if not meta_info:
+            return
+        with self._lock:
+            self.prompt_tokens += int(meta_info.get("prompt_tokens") or 0)
+            self.completion_tokens += int(meta_info.get("completion_tokens") or 0)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.prompt_tokens = self.completion_tokens = 0
+
+
 class BaseBackend(ABC):
     """What the interpreter needs from a model server.
 
@@ -44,6 +72,14 @@ class BaseBackend(ABC):
     #: `generate` and `stream` then also get ``messages=[{"role", "content"}, ...]``,
     #: the program's finished messages, when the program generates inside an assistant turn.
     uses_chat_messages: bool = False
+
+    @property
+    def token_usage(self) -> TokenUsage:
+        """The tokens this backend's requests used (the interpreter counts every request it makes)."""
+        usage = self.__dict__.get("_token_usage")
+        if usage is None:
+            usage = self.__dict__.setdefault("_token_usage", TokenUsage())
+        return usage
 
     @abstractmethod
     def get_chat_template(self) -> ChatTemplate:

@@ -34,27 +34,42 @@ _UNSUPPORTED = {"regex": "a regex constraint", "ebnf": "a grammar constraint"}
 
 
 class OpenAI(BaseBackend):
-    """Runs generation calls on an OpenAI-compatible server.
+    """Runs generation calls on an OpenAI-compatible server (SGLang's signature).
 
     Parameters
     ----------
     model_name: the model to ask for.
-    base_url: the server's ``/v1`` address; None for api.openai.com.
-    api_key: the key; None reads ``OPENAI_API_KEY`` (or sends "EMPTY").
+    is_chat_model: True: every gen is a chat completion, so it must open an assistant
+        turn (anything else is refused); False: every gen is a text completion of the
+        program text (an instruct model); None (default): a chat completion inside an
+        assistant turn, a text completion elsewhere.
     chat_template: role markers for the program's text (the messages sent
         are built from roles, not from this text); plain "Role: " by default.
+    is_azure: use `openai.AzureOpenAI` (give `azure_endpoint=` and `api_version=` in
+        `client_kwargs`; the key also comes from ``AZURE_OPENAI_API_KEY``).
+    base_url: the server's ``/v1`` address; None for api.openai.com.
+    api_key: the key; None reads ``OPENAI_API_KEY`` (or sends "EMPTY").
     client_kwargs: further `openai.OpenAI` arguments (timeout, max_retries...).
     """
 
-    uses_chat_messages = True
-
-    def __init__(self, model_name: str, base_url: str | None = None, api_key: str | None = None,
-                 chat_template: ChatTemplate | None = None, **client_kwargs: Any):
+    def __init__(self, model_name: str, is_chat_model: bool | None = None, chat_template: ChatTemplate | None = None,
+                 is_azure: bool = False, *, base_url: str | None = None, api_key: str | None = None,
+                 **client_kwargs: Any):
         import openai
 
+        if is_chat_model not in (None, True, False):
+            raise TypeError(f"is_chat_model must be True, False or None, got {is_chat_model!r}")
         self.model_name = model_name
-        self.client = openai.OpenAI(base_url=base_url, api_key=api_key or os.environ.get("OPENAI_API_KEY", "EMPTY"),
-                                    **client_kwargs)
+        self.is_chat_model = is_chat_model
+        # An instance attribute: the interpreter sends messages only to chat-capable backends.
+        self.uses_chat_messages = is_chat_model is not False
+        if is_azure:
+            given = {k: v for k, v in (("base_url", base_url), ("api_key", api_key)) if v is not None}
+            self.client = openai.AzureOpenAI(**given, **client_kwargs)
+        else:
+            self.client = openai.OpenAI(base_url=base_url,
+                                        api_key=api_key or os.environ.get("OPENAI_API_KEY", "EMPTY"),
+                                        **client_kwargs)
         self._chat_template = chat_template or ChatTemplate.plain()
 
     def get_chat_template(self) -> ChatTemplate:
@@ -66,7 +81,8 @@ class OpenAI(BaseBackend):
 
         Raises
         ------
-        UnsupportedByBackendError: a constraint or option the API cannot serve.
+        UnsupportedByBackendError: a constraint or option the API cannot serve, or a gen
+            outside an assistant turn with ``is_chat_model=True``.
         InvalidRequestError: the server answered 400; ArborError: any other API error.
         """
         request = self._request(sampling_params, messages, options)
@@ -94,6 +110,10 @@ class OpenAI(BaseBackend):
 
     def _request(self, sampling: dict[str, Any], messages: list | None, options: dict[str, Any]) -> dict[str, Any]:
         """The OpenAI request fields for `sampling`, refusing what the API cannot serve."""
+        if messages is None and self.is_chat_model:
+            raise UnsupportedByBackendError(
+                "a chat model (is_chat_model=True) generates only as an assistant turn: put sgl.gen right "
+                "after sgl.assistant, or use @function(num_api_spec_tokens=...) for text around it", "messages")
         for key, what in _UNSUPPORTED.items():
             if sampling.get(key) is not None:
                 raise UnsupportedByBackendError(

@@ -48,20 +48,36 @@ class RuntimeEndpoint(BaseBackend):
     ----------
     base_url: the server's address, e.g. ``"http://127.0.0.1:30000"``.
     api_key: the server's ``--api-key``, sent as a bearer token.
+    verify: TLS verification for an https server, as SGLang's (and httpx's) `verify`:
+        a CA bundle path, True (the system's CAs, the default) or False.
+    chat_template_name: role markers from this chat template instead of the served
+        model's: a built-in name (`arborlm.chat_template.BUILTIN_CHAT_TEMPLATES`, e.g.
+        "chatml", "llama-3-instruct") or a Jinja file.
     timeout_s: seconds to wait for one generation (None: no limit).
 
     Raises
     ------
     ArborError: the server cannot be reached or refuses the key.
+    ValueError: an unknown `chat_template_name`.
     """
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float | None = None):
+    def __init__(self, base_url: str, api_key: str | None = None, verify: str | bool | None = None,
+                 chat_template_name: str | None = None, timeout_s: float | None = None):
         self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.verify = True if verify is None else verify
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.Client(base_url=self.base_url, headers=headers,
+        self._client = httpx.Client(base_url=self.base_url, headers=headers, verify=self.verify,
                                     timeout=httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S))
         self.model_info = self._request("GET", "/get_model_info")
-        self._chat_template = chat_template_of(self.model_info)
+        if chat_template_name is not None:
+            self._chat_template = named_chat_template(chat_template_name)
+        else:
+            self._chat_template = chat_template_of(self.model_info)
+
+    def get_model_name(self) -> str:
+        """The served model's path (SGLang's `get_model_name`)."""
+        return self.model_info.get("model_path") or self.model_info.get("served_model_name") or ""
 
     def get_chat_template(self) -> ChatTemplate:
         return self._chat_template
@@ -88,6 +104,10 @@ class RuntimeEndpoint(BaseBackend):
             new = event["text"][sent:]
             sent = len(event["text"])
             yield StreamChunk(new, event.get("meta_info"))
+
+    def cache_prefix(self, prefix_str: str) -> None:
+        """SGLang's name for `prefill`: cache the KV of `prefix_str` on the server."""
+        self.prefill(prefix_str)
 
     def prefill(self, text: str) -> dict[str, Any]:
         """Cache `text`'s KV on the server (`max_new_tokens=0`); its meta info."""
@@ -194,3 +214,29 @@ def chat_template_of(model_info: dict[str, Any]) -> ChatTemplate:
 
         return ChatTemplate.from_tokenizer(AutoTokenizer.from_pretrained(path))
     return ChatTemplate.plain()
+
+
+class _NamedTemplate:
+    """What `ChatTemplate.from_tokenizer` needs of a tokenizer, for a chat template given by name."""
+
+    def __init__(self, template: str):
+        self.chat_template = template
+
+    def apply_chat_template(self, messages, tokenize: bool = False, add_generation_prompt: bool = False) -> str:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        rendered, _ = render_jinja_template([messages], chat_template=self.chat_template,
+                                            add_generation_prompt=add_generation_prompt, bos_token="", eos_token="")
+        return rendered[0]
+
+
+def named_chat_template(name_or_path: str) -> ChatTemplate:
+    """Role markers of a built-in chat template or a Jinja file (rendered without BOS/EOS text).
+
+    Raises
+    ------
+    ValueError: neither a built-in name nor a readable file.
+    """
+    from arborlm.chat_template import load_chat_template
+
+    return ChatTemplate.from_tokenizer(_NamedTemplate(load_chat_template(name_or_path)))
