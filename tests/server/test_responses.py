@@ -115,6 +115,24 @@ def test_json_schema_text_format(client):
     assert resp.text.format.type == "json_schema"
 
 
+@pytest.mark.parametrize("tool_choice", ["auto", "required"])
+def test_tools_beside_a_text_format(client, tool_choice):
+    """The Agents SDK sends both for an agent with an output_type: the answer is calls or JSON of the format."""
+    resp = client.responses.create(
+        model="default", input="A person, or the weather.", tools=[WEATHER_TOOL], tool_choice=tool_choice,
+        parallel_tool_calls=False, max_output_tokens=60, temperature=0,
+        text={"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}})
+    assert resp.status == "completed"
+    calls = [item for item in resp.output if item.type == "function_call"]
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), WEATHER_TOOL["parameters"])
+    if calls:
+        assert resp.output_text == ""
+    else:
+        assert tool_choice == "auto"
+        jsonschema.validate(json.loads(resp.output_text), PERSON)
+
+
 def test_previous_response_id_continues_from_the_cache(client):
     first = client.responses.create(model="default", input="Tell me a story.", max_output_tokens=6,
                                     temperature=0)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from arborlm.constrained.json_schema import (
+    PreparedSchema,
+    prepare_json_schema,
+    validate_json_output,
+)
+from arborlm.constrained.keys import GrammarError, GrammarKey
+from arborlm.constrained.registry import backend_class
 from arborlm.entrypoints.http_errors import APIError, validation_error
 from arborlm.entrypoints.openai.chat_render import RenderedChat, render_chat
 from arborlm.entrypoints.openai.common import (
@@ -44,12 +52,14 @@ from arborlm.entrypoints.openai.common import (
     finish_reason,
     max_new_tokens,
     now_s,
+    openai_error,
     openai_errors,
     parse_body,
     run_all,
     sampling_params,
     stream_all,
 )
+from arborlm.entrypoints.openai.constraints import response_format_constraint
 from arborlm.entrypoints.openai.protocol import ChatCompletionRequest
 from arborlm.entrypoints.openai.reasoning_parser import (
     ReasoningMode,
@@ -95,6 +105,7 @@ class ResponseCall:
     reasoning: ReasoningMode | None
     report_cached: bool
     tokenizer: Any
+    text_schema: PreparedSchema | None = None  # text.format beside tools: checked here, not by the runtime
 
     def builder(self) -> OutputBuilder:
         return OutputBuilder(ReasoningParser(self.reasoning) if self.reasoning else None, self.plan)
@@ -119,6 +130,9 @@ class ResponseCall:
         """The finished `Response`: status from the finish reason (and the calls' check), usage."""
         reason = finish_reason(meta)
         why = done.dropped or abort_message(meta)
+        if why is None and reason == "stop" and self.text_schema is not None and done.text:
+            problem = validate_json_output(self.text_schema, done.text)
+            why = None if problem is None else f"the output text does not satisfy text.format: {problem}"
         error = incomplete = None
         if why is not None:
             status, error = "failed", {"code": "server_error", "message": why}
@@ -267,13 +281,50 @@ async def _prepare(state: ServerState, req: ResponsesRequest, conversation: Conv
     limit = max_new_tokens(chat_req.max_completion_tokens, len(rendered.input_ids), context,
                            "max_completion_tokens")
     mode = reasoning_mode(chat.reasoning_parser, rendered.text)
-    params = add_tool_grammar(sampling_params(chat_req, limit), plan)
+    params, text_schema = _constraint_params(chat_req, plan, limit, state.server_args.grammar.grammar_backend)
     if mode is not None and any(k in params for k in ("json_schema", "regex", "ebnf", "structural_tag")):
         params = {**params, "reasoning": mode.grammar_reasoning()}  # the constraint starts after the thinking
     call = ResponseCall(item_id("resp"), now_s(), state.model_name, req, conversation, plan, mode,
-                        state.server_args.server.enable_cache_report, state.tokenizer)
+                        state.server_args.server.enable_cache_report, state.tokenizer, text_schema)
     gen = GenerateReqInput(input_ids=rendered.input_ids, sampling_params=params, stream=req.stream)
     return call, [gen], field_names(chat_req)
+
+
+def _constraint_params(chat_req: ChatCompletionRequest, plan: ToolPlan | None, limit: int, backend: str
+                       ) -> tuple[dict[str, Any], PreparedSchema | None]:
+    """The sampling dict with the output constraint, and the schema the finished text is checked
+    against when the runtime does not check it.
+
+    Tools and `text.format` may come together on this route (the Agents SDK sends both for an
+    agent with an `output_type`): with ``tool_choice`` ``auto`` the answer is either calls or
+    text of the format (an xgrammar ``or`` of the calls-only tag and the schema); a forced choice
+    answers calls only, so the format has nothing to constrain.
+
+    Raises
+    ------
+    APIError: 400 for a schema that cannot be served (naming `response_format.json_schema.schema`,
+        renamed `text.format.schema` by `responses_params`).
+    """
+    fmt = response_format_constraint(chat_req.response_format)
+    if plan is None or fmt is None:
+        return add_tool_grammar(sampling_params(chat_req, limit), plan), None
+    params = sampling_params(chat_req.model_copy(update={"response_format": None}), limit)
+    if plan.choice != "auto":
+        return {**params, "structural_tag": plan.structural_tag()}, None
+    schema = _prepared(fmt.params, backend)
+    calls = plan.format.structural_tag([t.spec for t in plan.tools], "required", plan.parallel)
+    either = {"type": "or", "elements": [calls, {"type": "json_schema", "json_schema": json.loads(schema.text)}]}
+    return {**params, "structural_tag": {"type": "structural_tag", "format": either}}, schema
+
+
+def _prepared(params: dict[str, Any], backend: str) -> PreparedSchema:
+    param = "response_format.json_schema.schema"
+    try:
+        schema = prepare_json_schema(params["json_schema"], lenient=params.get("json_schema_lenient", False))
+        backend_class(backend).check(GrammarKey("json_schema", schema.text))
+    except GrammarError as e:
+        raise openai_error(e, {e.param: param}) from None
+    return schema
 
 
 # ---- error names ----------------------------------------------------------------------
