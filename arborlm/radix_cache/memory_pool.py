@@ -4,11 +4,36 @@ Two-level mapping, as in SGLang: `ReqToTokenPool.req_to_token[req_pool_idx, pos]
 is the KV slot of a request's token at `pos`; `TokenToKVPool` holds the K and V of
 every slot, `[layers, slots, kv_heads, head_dim]`. Slot 0 is never handed out: it
 is the padding slot that dummy writes may target.
+
+The K/V may be stored in fp8 (`kv_cache_dtype`, SGLang's names `fp8_e5m2` and
+`fp8_e4m3`): half the bytes of bf16, so twice the tokens in the same memory. New
+K/V are cast on the way in (saturated to the format's range) and attention reads
+them upcast (`read_kv`, used by `layers/attention/quantized_kv_backend.py`).
 """
 
 from __future__ import annotations
 
 import torch
+
+# SGLang's --kv-cache-dtype names -> the storage dtype ("auto": the model's dtype).
+KV_CACHE_DTYPES = {"fp8_e5m2": torch.float8_e5m2, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the KV pool stores for `kv_cache_dtype` ("auto" = `model_dtype`).
+
+    Raises
+    ------
+    ValueError
+        For a name that is neither "auto" nor a key of `KV_CACHE_DTYPES`.
+    """
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is invalid: expected 'auto' or one of {sorted(KV_CACHE_DTYPES)}"
+        )
+    return KV_CACHE_DTYPES[kv_cache_dtype]
 
 
 class ReqToTokenPool:
@@ -103,7 +128,7 @@ class TokenToKVPool:
     ----------
     size: usable slots (tokens); the buffers hold `size + 1` rows (row 0 = padding).
     num_layers, num_kv_heads, head_dim: model shape.
-    dtype: KV dtype (the model's dtype).
+    dtype: KV dtype: the model's, or an fp8 dtype of `KV_CACHE_DTYPES` (`quantized`).
 
     Attributes
     ----------
@@ -134,12 +159,33 @@ class TokenToKVPool:
         """Memory of one slot across all layers, K and V, in bytes."""
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
+    @property
+    def quantized(self) -> bool:
+        """Whether K/V are stored in fp8 (attention must read them through `read_kv`)."""
+        return self.dtype in KV_CACHE_DTYPES.values()
+
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer: two (size + 1, num_kv_heads, head_dim) views."""
+        """K and V of one layer: two (size + 1, num_kv_heads, head_dim) views, in `dtype`."""
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write K and V of new tokens. `loc`: (n,) int64 slots; `k`, `v`: (n, num_kv_heads, head_dim)."""
+        """Write K and V of new tokens. `loc`: (n,) int64 slots; `k`, `v`: (n, num_kv_heads, head_dim).
+
+        Into an fp8 pool the values are saturated to the format's finite range first
+        (a plain cast makes fp8_e5m2's overflow inf)."""
+        if self.quantized:
+            bound = torch.finfo(self.dtype).max
+            # index_copy_ has no fp8 kernel: copy the bytes.
+            for buffer, new in ((self.k_buffer, k), (self.v_buffer, v)):
+                stored = new.clamp(-bound, bound).to(self.dtype).view(torch.uint8)
+                buffer[layer_id].view(torch.uint8).index_copy_(0, loc, stored)
+            return
         # index_copy_ on the layer's view: one row copy per slot, no index_put broadcasting.
         self.k_buffer[layer_id].index_copy_(0, loc, k.to(self.dtype))
         self.v_buffer[layer_id].index_copy_(0, loc, v.to(self.dtype))
+
+    def read_kv(self, layer_id: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `slots` ((n,) int64) in layer `layer_id`, upcast to `dtype`: two
+        (n, num_kv_heads, head_dim) contiguous tensors (copies)."""
+        return (self.k_buffer[layer_id].index_select(0, slots).to(dtype),
+                self.v_buffer[layer_id].index_select(0, slots).to(dtype))

@@ -27,6 +27,8 @@ QUANTIZATIONS = ("gguf", "int8", "none")
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ATTENTION_BACKENDS = ATTENTION_BACKEND_NAMES  # one list, torch-free: runtime/layers/attention/names.py
+# SGLang's --kv-cache-dtype values served (radix_cache/memory_pool.py KV_CACHE_DTYPES); auto = dtype.
+KV_CACHE_DTYPE_NAMES = ("auto", "fp8_e5m2", "fp8_e4m3")
 # The longest the front waits for a scheduler reply (seconds): Prometheus's default scrape timeout.
 MAX_REPLY_TIMEOUT_S = 10.0
 
@@ -131,6 +133,11 @@ class CacheConfig:
     )
     page_size: int = field(default=1, metadata={"help": "tokens per radix-cache page"})
     disable_radix_cache: bool = field(default=False, metadata={"help": "turn prefix sharing off"})
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata={"help": "KV pool storage: auto (the model dtype) | fp8_e5m2 | fp8_e4m3 (one byte per value, "
+                          "twice the tokens of bf16; attention reads it upcast)"},
+    )
 
     def __post_init__(self):
         _check_types(self)
@@ -140,6 +147,8 @@ class CacheConfig:
         )
         _check(0 < self.mem_fraction <= 1, "mem_fraction", self.mem_fraction, "a value in (0, 1]")
         _check(self.page_size >= 1, "page_size", self.page_size, "an integer >= 1")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPE_NAMES, "kv_cache_dtype", self.kv_cache_dtype,
+               f"one of {KV_CACHE_DTYPE_NAMES}")
 
 
 @dataclass(frozen=True)

@@ -417,6 +417,7 @@ def load_model(
     gguf_file: Path | None = None,
     progress: bool | None = None,
     quantization: str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> LoadedModel:
     """Build our model for `checkpoint` and load its weights.
 
@@ -435,6 +436,9 @@ def load_model(
         (default) for only when stderr is a terminal and `TQDM_DISABLE` is unset.
     quantization: "int8" quantizes the loaded linears to weight-only int8 per channel
         (`layers/quantization/int8_weights.py`); other values change nothing here.
+    kv_cache_dtype: "auto", or an fp8 name of `memory_pool.KV_CACHE_DTYPES`: the
+        model then attends through `QuantizedKVAttentionBackend` (K/V stored in fp8,
+        read upcast), whatever `attention_backend` says.
 
     Raises
     ------
@@ -457,6 +461,8 @@ def load_model(
     hf_config = AutoConfig.from_pretrained(str(checkpoint)).get_text_config()
     ops = layer_ops(device, native=cpu_kernels)
     attn_backend = create_attention_backend(attention_backend, device, ops if ops.native else None)
+    if kv_cache_dtype != "auto":
+        attn_backend = _quantized_kv_backend(kv_cache_dtype, device, ops if ops.native else None)
     model = model_class(hf_config, dtype, device, attn_backend, ops)
     if gguf_file is None:
         model.load_weights(iter_safetensors(checkpoint, progress))
@@ -483,3 +489,12 @@ def _quantize_int8(model: torch.nn.Module, device: torch.device, native: bool) -
     from arborlm.runtime.layers.quantization.int8_weights import quantize_linears_int8
 
     quantize_linears_int8(model, quant_ops(device, native=native))
+
+
+def _quantized_kv_backend(kv_cache_dtype: str, device: torch.device, native):
+    """The attention backend for a pool stored in `kv_cache_dtype` (ValueError for an unknown name)."""
+    from arborlm.radix_cache.memory_pool import kv_cache_torch_dtype
+    from arborlm.runtime.layers.attention.quantized_kv_backend import QuantizedKVAttentionBackend
+
+    kv_cache_torch_dtype(kv_cache_dtype, torch.float32)  # refuses an unknown name
+    return QuantizedKVAttentionBackend.create(device, native)

@@ -12,7 +12,12 @@ import os
 
 import torch
 
-from arborlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
+from arborlm.radix_cache.memory_pool import (
+    ReqToTokenPool,
+    TokenToKVPool,
+    TokenToKVPoolAllocator,
+    kv_cache_torch_dtype,
+)
 from arborlm.runtime.config import ServerArgs
 from arborlm.runtime.forward_batch_info import ForwardBatch, LogitsOutput
 from arborlm.runtime.io_struct import ModelInfo
@@ -59,12 +64,13 @@ class ModelRunner:
         if self.device.type == "cpu":
             torch.set_num_threads(os.cpu_count() or 1)
         self.dtype = resolve_dtype(server_args.model.dtype, self.device)
+        self.kv_dtype = kv_cache_torch_dtype(server_args.cache.kv_cache_dtype, self.dtype)
         gguf_file = resolve_quantization(server_args.model.model_path, server_args.model.quantization)
         checkpoint = resolve_checkpoint(server_args.model.model_path, weights=gguf_file is None)
         loaded = load_model(
             checkpoint, self.dtype, self.device, server_args.model.attention_backend,
             cpu_kernels=not server_args.model.disable_cpu_kernels, gguf_file=gguf_file,
-            quantization=server_args.model.quantization,
+            quantization=server_args.model.quantization, kv_cache_dtype=server_args.cache.kv_cache_dtype,
         )
         self.model, self.hf_config, self.checkpoint = loaded.model, loaded.hf_config, loaded.checkpoint
         self.architecture = loaded.architecture
@@ -76,7 +82,7 @@ class ModelRunner:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         max_total_tokens = self.server_args.cache.max_total_tokens
         if max_total_tokens is None:
-            per_token = TokenToKVPool.bytes_per_token(cfg.num_hidden_layers, num_kv_heads, head_dim, self.dtype)
+            per_token = TokenToKVPool.bytes_per_token(cfg.num_hidden_layers, num_kv_heads, head_dim, self.kv_dtype)
             budget = _available_memory_bytes(self.device) * self.server_args.cache.mem_fraction
             max_total_tokens = int(budget // per_token)
             if self.device.type == "cpu":
@@ -96,7 +102,7 @@ class ModelRunner:
             self.max_running_requests + EXTRA_REQ_ROWS, self.context_length + 4, self.device
         )
         self.token_to_kv_pool = TokenToKVPool(
-            max_total_tokens, cfg.num_hidden_layers, num_kv_heads, head_dim, self.dtype, self.device
+            max_total_tokens, cfg.num_hidden_layers, num_kv_heads, head_dim, self.kv_dtype, self.device
         )
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_total_tokens)
         logger.info(

@@ -1,0 +1,147 @@
+"""An fp8 KV pool (`kv_cache_dtype`, SGLang's fp8_e5m2 / fp8_e4m3): storage, attention, pool size.
+
+The pool stores one byte per value (saturated cast) and attention reads it upcast
+(`layers/attention/quantized_kv_backend.py`). Attention over the fp8 pool equals the
+reference attention over a float pool holding the same fp8-rounded K/V (1e-5), for
+decode and extend steps with a cached prefix; a tiny Llama served with an fp8 pool keeps
+its float-pool logits (prompt and teacher-forced decode steps) within the format's
+rounding and their argmax wherever the float model is not near a tie; the same
+memory holds twice the tokens of bf16; unknown names are a ValueError naming
+kv_cache_dtype.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from arborlm.radix_cache.memory_pool import (
+    KV_CACHE_DTYPES,
+    ReqToTokenPool,
+    TokenToKVPool,
+    TokenToKVPoolAllocator,
+    kv_cache_torch_dtype,
+)
+from arborlm.runtime import model_runner
+from arborlm.runtime.config import CacheConfig, ServerArgs
+from arborlm.runtime.forward_batch_info import ForwardBatch, ForwardMode
+from arborlm.runtime.layers.attention.quantized_kv_backend import QuantizedKVAttentionBackend
+from arborlm.runtime.layers.attention.reference_backend import ReferenceAttentionBackend
+from arborlm.runtime.model_loader import load_model
+from tests.runtime.family_helpers import PROMPTS, tiny_checkpoint
+from tests.runtime.model_helpers import ModelHarness
+
+FP8 = sorted(KV_CACHE_DTYPES)
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 32
+
+
+def test_pool_stores_one_byte_saturated():
+    for name, dtype in KV_CACHE_DTYPES.items():
+        pool = TokenToKVPool(16, 2, KV_HEADS, HEAD_DIM, dtype)
+        bf16 = TokenToKVPool(16, 2, KV_HEADS, HEAD_DIM, torch.bfloat16)
+        assert pool.quantized and not bf16.quantized
+        assert 2 * pool.k_buffer.nbytes == bf16.k_buffer.nbytes
+        k = torch.randn(3, KV_HEADS, HEAD_DIM)
+        k[0, 0, 0] = 1e6  # beyond both formats' range: saturated, not inf
+        v = torch.randn(3, KV_HEADS, HEAD_DIM)
+        loc = torch.tensor([2, 5, 7])
+        pool.set_kv_buffer(1, loc, k, v)
+        got_k, got_v = pool.read_kv(1, loc, torch.float32)
+        bound = torch.finfo(dtype).max
+        torch.testing.assert_close(got_k, k.clamp(-bound, bound).to(dtype).float(), atol=0, rtol=0, msg=name)
+        torch.testing.assert_close(got_v, v.to(dtype).float(), atol=0, rtol=0, msg=name)
+        assert float(got_k[0, 0, 0]) == bound
+        assert not pool.k_buffer[0].float().any()  # other layers untouched
+
+
+def _batch(mode, pool, req_to_token_pool, allocator, rows, prefix_lens, new_lens):
+    out_cache_loc = allocator.alloc(sum(new_lens))
+    start = 0
+    for row, prefix, n in zip(rows, prefix_lens, new_lens):
+        req_to_token_pool.req_to_token[row, prefix:prefix + n] = out_cache_loc[start:start + n].to(torch.int32)
+        start += n
+    ids = [0] * sum(new_lens)
+    return ForwardBatch.build(mode, ids, rows, prefix_lens, new_lens, out_cache_loc, req_to_token_pool, pool)
+
+
+@pytest.mark.parametrize("name", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_equals_reference_over_rounded_kv(name, dtype):
+    """Both pools see the same steps: a prefill of two requests, an extend after the
+    cached prefix, then a decode step; the float pool is given the fp8-rounded K/V."""
+    fp8 = KV_CACHE_DTYPES[name]
+    g = torch.Generator().manual_seed(0)
+    pools = {kind: TokenToKVPool(64, 1, KV_HEADS, HEAD_DIM, fp8 if kind == "fp8" else dtype) for kind in ("fp8", "ref")}
+    req_pools = {kind: ReqToTokenPool(4, 32) for kind in pools}
+    allocators = {kind: TokenToKVPoolAllocator(64) for kind in pools}
+    backends = {"fp8": QuantizedKVAttentionBackend.create(torch.device("cpu"), _native()), "ref": ReferenceAttentionBackend()}
+    steps = [(ForwardMode.EXTEND, [0, 5], [5, 9]), (ForwardMode.EXTEND, [5, 9], [3, 1]), (ForwardMode.DECODE, [8, 10], [1, 1])]
+    for mode, prefix_lens, new_lens in steps:
+        n = sum(new_lens)
+        q = torch.randn(n, HEADS, HEAD_DIM, generator=g).to(dtype)
+        k, v = (torch.randn(n, KV_HEADS, HEAD_DIM, generator=g).to(dtype) for _ in range(2))
+        out = {}
+        for kind in pools:
+            batch = _batch(mode, pools[kind], req_pools[kind], allocators[kind], [1, 3], prefix_lens, new_lens)
+            backends[kind].init_forward_metadata(batch)
+            kk, vv = (k, v) if kind == "fp8" else (k.to(fp8).to(dtype), v.to(fp8).to(dtype))
+            out[kind] = backends[kind].forward(q, kk, vv, 0, batch, HEAD_DIM**-0.5)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out["fp8"].float(), out["ref"].float(), atol=tol, rtol=tol)
+
+
+def _native():
+    from arborlm.kernels.cpu_ops import layer_ops
+
+    ops = layer_ops("cpu")
+    return ops if ops.native else None
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("kv_llama")
+    tiny_checkpoint(folder, "llama", head_dim=32, num_attention_heads=2, num_key_value_heads=1)
+    return folder
+
+
+def _decode_logits(loaded, pool_dtype, tokens: list[list[int]]) -> torch.Tensor:
+    """Prompt logits, then the logits of each decode step fed `tokens` (teacher forcing:
+    a random tiny model's near-tied logits would let greedy paths part on noise)."""
+    harness = ModelHarness(loaded.model, loaded.hf_config, dtype=pool_dtype)
+    rows = [harness.new_req() for _ in PROMPTS]
+    out = [harness.extend(rows, PROMPTS, return_full_logits=True).full_logits]
+    for step in range(len(tokens[0])):
+        out.append(harness.decode(rows, [t[step] for t in tokens]).next_token_logits)
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("name", FP8)
+def test_tiny_llama_with_an_fp8_pool_keeps_its_logits(llama_dir, name):
+    fp8 = load_model(llama_dir, torch.float32, torch.device("cpu"), kv_cache_dtype=name)
+    plain = load_model(llama_dir, torch.float32, torch.device("cpu"))
+    tokens = ModelHarness(plain.model, plain.hf_config).greedy(PROMPTS, 16)
+    q = _decode_logits(fp8, KV_CACHE_DTYPES[name], tokens)
+    p = _decode_logits(plain, torch.float32, tokens)
+    # fp8_e4m3 keeps 3 mantissa bits, fp8_e5m2 2: relative rounding 2^-4 and 2^-3 per value.
+    assert float((q - p).norm() / p.norm()) < (0.03 if name == "fp8_e4m3" else 0.06)
+    margin = p.topk(2).values  # where the float model is not near a tie, the same argmax
+    clear = (margin[:, 0] - margin[:, 1]) > 0.05
+    assert bool(clear.any()) and bool((q.argmax(-1) == p.argmax(-1))[clear].all())
+
+
+def test_same_memory_holds_twice_the_tokens(llama_dir, monkeypatch):
+    monkeypatch.setattr(model_runner, "_available_memory_bytes", lambda device: 64 << 20)
+    tokens = {}
+    for name in ("auto", *FP8):
+        args = ServerArgs.from_kwargs(model_path=str(llama_dir), dtype="bfloat16", kv_cache_dtype=name)
+        runner = model_runner.ModelRunner(args)
+        tokens[name] = runner.max_total_tokens
+        assert runner.token_to_kv_pool.dtype == kv_cache_torch_dtype(name, torch.bfloat16)
+    assert tokens["fp8_e4m3"] == tokens["fp8_e5m2"] == 2 * tokens["auto"]
+
+
+def test_unknown_kv_cache_dtype_is_refused():
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        CacheConfig(kv_cache_dtype="fp4")
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        kv_cache_torch_dtype("int3", torch.bfloat16)
