@@ -131,10 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as e:
         parser.error(str(e))
     if namespace.command == "serve":
-        from arborlm.entrypoints.launch_server import launch_server
+        from arborlm.entrypoints.data_parallel import launch_data_parallel
+        from arborlm.entrypoints.launch_server import configure_logging, launch_server
 
         try:
-            launch_server(server_args)
+            if server_args.parallel.dp_size > 1:
+                configure_logging(server_args.server.log_level)
+                launch_data_parallel(server_args)
+            else:
+                launch_server(server_args)
         except KeyboardInterrupt:
             return 130
         except (ArborError, OSError, ValueError) as e:

@@ -33,6 +33,7 @@ from arborlm.entrypoints.request_builder import (
     run_built_batch,
 )
 from arborlm.entrypoints.server_state import ServerState, get_state
+from arborlm.entrypoints.sglang_fields import UnsupportedFieldError, check_extra_fields
 from arborlm.entrypoints.streaming import (
     SSE_DONE,
     cancel_on_disconnect,
@@ -58,6 +59,10 @@ async def generate(request: Request) -> Response:
     """SGLang's `/generate`: text or input_ids, one or a batch; JSON or SSE."""
     state = get_state(request)
     body = await parse_body(request, GenerateRequest)
+    try:
+        check_extra_fields(body.model_extra)
+    except UnsupportedFieldError as e:
+        raise bad_request(e.message, param=e.param) from None
     manager = state.live_manager()
     prompt_param = "text" if body.text is not None or body.input_ids is None else "input_ids"
     reqs, is_batch = expand_requests(
@@ -179,6 +184,7 @@ async def health_generate(request: Request) -> Response:
 
 
 @router.get("/get_model_info")
+@router.get("/model_info", operation_id="model_info")  # SGLang's current name (sglang-router probes it)
 async def get_model_info(request: Request) -> dict[str, Any]:
     """SGLang's model facts, plus `chat_template_roles`: the text before and after
     each role's content ({role: [prefix, suffix]}), which `RuntimeEndpoint` uses to
@@ -205,12 +211,19 @@ def _chat_template_roles(tokenizer) -> dict[str, list[str]] | None:
 
 
 @router.get("/get_server_info")
+@router.get("/server_info", operation_id="server_info")  # SGLang's current name (sglang-router probes it)
 async def get_server_info(request: Request) -> dict[str, Any]:
-    """Server args, model facts and live figures (running/queued requests, KV slots, cache hit rate)."""
+    """Server args, model facts and live figures (running/queued requests, KV slots, cache hit rate).
+
+    `model_path` is the checkpoint actually loaded (never null: sglang-router names the
+    worker's model from it) and `served_model_name` the name the OpenAI routes answer to.
+    """
     state = get_state(request)
     manager = state.live_manager()
     live = await manager.get_info()
     return {**_public_args(state), **state.model_info.__dict__, **live,
+            "model_path": state.server_args.model.model_path or state.model_info.checkpoint,
+            "served_model_name": state.model_name,
             "num_in_flight_reqs": len(manager.rid_to_state), "version": __version__}
 
 

@@ -389,6 +389,34 @@ class ServerConfig:
             return False
 
 
+# sglang-router's load-balancing policies (`--policy` of `python -m sglang_router.launch_router`).
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Data parallelism: several scheduler workers behind SGLang's router (`sglang-router`)."""
+
+    dp_size: int = field(
+        default=1,
+        metadata={"help": "number of data-parallel workers (each a full copy of the model with its own KV "
+                          "pool and radix cache) behind sglang-router on the one public port; >1 needs "
+                          "`pip install arborlm[router]`"},
+    )
+    router_policy: str = field(
+        default="cache_aware",
+        metadata={"help": f"how the router picks a worker with --dp-size > 1: one of {ROUTER_POLICIES} "
+                          "(cache_aware: the worker whose cache holds the longest prefix, unless load is "
+                          "unbalanced)"},
+    )
+
+    def __post_init__(self):
+        _check_types(self)
+        _check(1 <= self.dp_size <= 64, "dp_size", self.dp_size, "1..64")
+        _check(self.router_policy in ROUTER_POLICIES, "router_policy", self.router_policy,
+               f"one of {ROUTER_POLICIES}")
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     """All runtime settings, one concern per member."""
@@ -399,6 +427,7 @@ class ServerArgs:
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     chat: ChatConfig = field(default_factory=ChatConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:

@@ -231,9 +231,11 @@ class GenerateRequest(_Body):
 
     `rid` is one id, or one per request of the batch (prompts × n).
     `return_text_in_logprobs` fills the token text into each logprob triple.
+    Other fields are kept in `model_extra`: the route accepts SGLang's fields at their
+    neutral value and refuses the rest (`sglang_fields.check_extra_fields`).
     """
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="allow")
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None

@@ -1,0 +1,155 @@
+"""arborlm workers behind SGLang's router (`sglang-router`, issue 23).
+
+First, what the router sends: it re-encodes every `/generate` body with SGLang's full
+field set at its defaults (`model: null`, `log_metrics`, `return_hidden_states`, ...);
+a worker must serve that and refuse the same fields set to a feature it lacks. Then
+`arborlm serve --dp-size 2`: two tiny-model workers and the router on one port, native
+and OpenAI routes through it, API keys checked end to end, and a killed worker taken
+out while the other keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import API_KEY, start_server, stop_server, wait_idle
+
+# The body sglang-router 0.3.2 forwards for `{"text": ..., "sampling_params": ...}`
+# (captured from the router in front of an echo server).
+ROUTER_FIELDS = {"model": None, "return_text_in_logprobs": False, "log_metrics": True,
+                 "return_hidden_states": False, "background": False, "no_logs": False,
+                 "return_bytes": False, "return_entropy": False}
+
+
+def _greedy(text: str, **extra) -> dict:
+    return {"text": text, "sampling_params": {"max_new_tokens": 6, "temperature": 0}, **extra}
+
+
+def test_generate_accepts_sglang_fields_at_their_neutral_value(http):
+    plain = http.post("/generate", json=_greedy("The sky is"))
+    routed = http.post("/generate", json=_greedy("The sky is", **ROUTER_FIELDS))
+    assert plain.status_code == routed.status_code == 200, routed.text
+    assert routed.json()["output_ids"] == plain.json()["output_ids"]
+    more = {"lora_path": None, "image_data": None, "session_id": "s1", "custom_labels": {"team": "a"},
+            "routed_dp_rank": None, "return_routed_experts": False, "routed_experts_start_len": 0}
+    assert http.post("/generate", json=_greedy("The sky is", **more)).status_code == 200
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("return_hidden_states", True), ("image_data", "http://example.com/cat.png"), ("lora_path", "adapter"),
+    ("background", True), ("return_entropy", True), ("data_parallel_rank", 1), ("model", 3),
+    ("temprature", 0.5),
+])
+def test_generate_refuses_unsupported_sglang_fields_by_name(http, field, value):
+    r = http.post("/generate", json=_greedy("x", **{field: value}))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+    assert field in r.json()["error"]["message"]
+    assert http.post("/generate", json=_greedy("x")).status_code == 200  # and it keeps serving
+
+
+def test_server_info_names_the_loaded_model(http, server):
+    for route in ("/server_info", "/get_server_info"):
+        info = http.get(route).json()
+        assert info["model_path"] == server.model_dir
+        assert info["served_model_name"]
+    assert http.get("/model_info").json() == http.get("/get_model_info").json()
+
+
+# ---- --dp-size 2 behind the router ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dp_server(tiny_llama_dir, tmp_path_factory):
+    pytest.importorskip("sglang_router")
+    srv = start_server(tiny_llama_dir, tmp_path_factory.mktemp("dp") / "dp.log", "--dp-size", "2")
+    _wait_router_ready(srv)
+    yield srv
+    stop_server(srv)
+
+
+def _wait_router_ready(srv, timeout_s: float = 60.0) -> None:
+    """/health of the router answers before it has registered the workers: wait for a generation."""
+    deadline = time.monotonic() + timeout_s
+    with srv.client() as client:
+        while time.monotonic() < deadline:
+            try:
+                if client.post("/generate", json=_greedy("warm")).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+    raise AssertionError(f"the router did not serve in time:\n{srv.log()}")
+
+
+def _worker_pids(srv) -> dict[int, int]:
+    """{loopback port: pid} of the data-parallel workers (children of `arborlm serve` that listen)."""
+    psutil = pytest.importorskip("psutil")
+    out = {}
+    for child in psutil.Process(srv.process.pid).children():
+        ports = {c.laddr.port for c in child.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+        if ports and srv.port not in ports:  # the router is the child on the public port
+            out.update(dict.fromkeys(ports, child.pid))
+    return out
+
+
+def test_dp_serves_native_and_openai_routes_through_the_router(dp_server, tiny_llama_dir):
+    with dp_server.client() as client:
+        single = client.post("/generate", json=_greedy("Once upon a time"))
+        assert single.status_code == 200, single.text
+        body = single.json()
+        assert body["meta_info"]["completion_tokens"] == len(body["output_ids"]) == 6
+        with client.stream("POST", "/generate", json={**_greedy("Once upon a time"), "stream": True}) as r:
+            assert r.status_code == 200
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert events[-1]["output_ids"] == body["output_ids"]  # greedy: the same on either worker
+        chat = client.post("/v1/chat/completions", json={
+            "model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0})
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["usage"]["completion_tokens"] == 4
+    # The workers check the client's key, which the router passes on.
+    assert httpx.post(f"{dp_server.base_url}/generate", json=_greedy("x")).status_code == 401
+
+
+def _worker_info(port: int) -> dict:
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {API_KEY}"},
+                      timeout=30) as worker:
+        return wait_idle(worker)
+
+
+def test_dp_cache_aware_keeps_a_prefix_on_one_worker_and_slots_return(dp_server):
+    ports = sorted(_worker_pids(dp_server))
+    assert len(ports) == 2, dp_server.log()
+    before = {p: _worker_info(p)["cached_kv_tokens"] for p in ports}
+    system = "You are a careful assistant for the shipping team. " * 6
+    with dp_server.client() as client:
+        for i in range(4):
+            assert client.post("/generate", json=_greedy(f"{system}Question {i}:")).status_code == 200
+    after = {p: _worker_info(p) for p in ports}
+    grew = [p for p in ports if after[p]["cached_kv_tokens"] > before[p]]
+    assert len(grew) == 1, (before, after)  # every request with the shared prefix went to one worker
+    for info in after.values():
+        assert info["free_req_rows"] == info["total_req_rows"]
+        assert info["free_kv_tokens"] + info["cached_kv_tokens"] == info["max_total_tokens"]
+
+
+def test_dp_a_killed_worker_is_taken_out_and_the_other_serves(dp_server):
+    import signal
+
+    pids = _worker_pids(dp_server)
+    assert len(pids) == 2
+    victim = min(pids)
+    import os
+
+    os.kill(pids[victim], signal.SIGKILL)
+    ok = 0
+    with dp_server.client() as client:
+        for i in range(6):
+            r = client.post("/generate", json=_greedy(f"after the crash {i}"))
+            ok += r.status_code == 200
+    assert ok == 6, dp_server.log()[-3000:]
+    assert dp_server.process.poll() is None  # the command keeps running with one worker
