@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 
-from arborlm.entrypoints import native_api
+from arborlm.entrypoints import info_api, native_api
 from arborlm.entrypoints.auth import AuthMiddleware, KeyPolicy
 from arborlm.entrypoints.body_limit import BodyLimitMiddleware
 from arborlm.entrypoints.browser_guard import BrowserGuardMiddleware, HostPolicy
@@ -57,6 +57,7 @@ def create_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     _install_middlewares(app, state)
     app.include_router(native_api.router)
+    app.include_router(info_api.router)
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"])
     app.add_api_route("/v1/completions", completions, methods=["POST"])

@@ -2,19 +2,63 @@
 
 Counters and latency histograms are fed by the `TokenizerManager` as outputs
 arrive (`OutputObserver`); the gauges (running and queued requests, KV token
-usage, cache hit rate) are read from the scheduler when `/metrics` is scraped.
-Latencies are in seconds. Names carry the `arborlm:` prefix, as SGLang's carry
-`sglang:`.
+usage, cache hit rate) and the scheduler's own counts (retracted requests,
+structured-output requests) are read from the scheduler when `/metrics` is
+scraped. Latencies are in seconds.
+
+Every series is exported twice: with the `arborlm:` prefix and with SGLang's
+`sglang:` prefix and names, so that dashboards and autoscalers written for
+SGLang (its Grafana dashboard reads `sglang:time_to_first_token_seconds`,
+`sglang:num_queue_reqs`, ...) work unchanged. Both carry the `model_name`
+label, as SGLang's do.
+
+Series (the counters end in ``_total`` in the exposition):
+num_running_reqs, num_queue_reqs, token_usage, cache_hit_rate (gauges);
+prompt_tokens, generation_tokens, cached_tokens, num_requests (by
+finish_reason), num_aborted_requests, num_retracted_requests, num_so_requests
+(counters); time_to_first_token_seconds, inter_token_latency_seconds,
+time_per_output_token_seconds (per request: (E2E - TTFT) / (output tokens - 1)),
+queue_time_seconds (scheduler arrival to first admission), e2e_request_latency_seconds
+(histograms).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+PREFIXES = ("arborlm", "sglang")
+
+
+class _Twin:
+    """One series under each prefix of `PREFIXES`; `labels(...)` returns a child that updates all."""
+
+    def __init__(self, make: Callable[[str], Any], name: str):
+        self.metrics = [make(f"{prefix}:{name}") for prefix in PREFIXES]
+
+    def labels(self, **labels: str) -> _TwinChild:
+        return _TwinChild([m.labels(**labels) for m in self.metrics])
+
+
+class _TwinChild:
+    def __init__(self, children: list[Any]):
+        self.children = children
+
+    def inc(self, amount: float = 1.0) -> None:
+        for c in self.children:
+            c.inc(amount)
+
+    def set(self, value: float) -> None:
+        for c in self.children:
+            c.set(value)
+
+    def observe(self, value: float) -> None:
+        for c in self.children:
+            c.observe(value)
 
 
 class ServerMetrics:
@@ -28,29 +72,40 @@ class ServerMetrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
         labels = ["model_name"]
+        registry = self.registry
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(f"arborlm:{name}", doc, labels, registry=self.registry)
+        def gauge(name: str, doc: str) -> _Twin:
+            return _Twin(lambda full: Gauge(full, doc, labels, registry=registry), name)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> _Twin:
+            return _Twin(lambda full: Counter(full, doc, labels + list(extra), registry=registry), name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> _Twin:
+            return _Twin(lambda full: Histogram(full, doc, labels, buckets=buckets, registry=registry), name)
 
         self.num_running_reqs = gauge("num_running_reqs", "requests decoding or prefilling")
         self.num_queue_reqs = gauge("num_queue_reqs", "requests waiting to be scheduled (incl. grammar compiling)")
         self.token_usage = gauge("token_usage", "fraction of KV slots held by requests (free and evictable cache slots excluded)")
         self.cache_hit_rate = gauge("cache_hit_rate", "cached prompt tokens / prompt tokens since start")
-        self.prompt_tokens = Counter("arborlm:prompt_tokens", "prompt tokens of finished requests",
-                                     labels, registry=self.registry)
-        self.generation_tokens = Counter("arborlm:generation_tokens", "generated tokens",
-                                         labels, registry=self.registry)
-        self.cached_tokens = Counter("arborlm:cached_tokens", "prompt tokens served from the radix cache",
-                                     labels, registry=self.registry)
-        self.requests = Counter("arborlm:num_requests", "finished requests by finish reason",
-                                labels + ["finish_reason"], registry=self.registry)
-        self.ttft = Histogram("arborlm:time_to_first_token_seconds", "time to first token",
-                              labels, buckets=LATENCY_BUCKETS_S, registry=self.registry)
-        self.itl = Histogram("arborlm:inter_token_latency_seconds", "time between tokens of a request",
-                             labels, buckets=ITL_BUCKETS_S, registry=self.registry)
-        self.e2e = Histogram("arborlm:e2e_request_latency_seconds", "request latency, sent to finished",
-                             labels, buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self.prompt_tokens = counter("prompt_tokens", "prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "generated tokens")
+        self.cached_tokens = counter("cached_tokens", "prompt tokens served from the radix cache")
+        self.requests = counter("num_requests", "finished requests by finish reason", ("finish_reason",))
+        self.aborted = counter("num_aborted_requests", "requests that finished with abort")
+        self.retracted = counter("num_retracted_requests", "retractions: running requests preempted when KV ran out")
+        self.structured = counter("num_so_requests", "structured-output requests (a grammar constraint)")
+        self.ttft = histogram("time_to_first_token_seconds", "time to first token", LATENCY_BUCKETS_S)
+        self.itl = histogram("inter_token_latency_seconds", "time between tokens of a request", ITL_BUCKETS_S)
+        self.tpot = histogram("time_per_output_token_seconds",
+                              "per request: (e2e - ttft) / (output tokens - 1)", ITL_BUCKETS_S)
+        self.queue_time = histogram("queue_time_seconds", "scheduler arrival to first admission",
+                                    LATENCY_BUCKETS_S)
+        self.e2e = histogram("e2e_request_latency_seconds", "request latency, sent to finished", LATENCY_BUCKETS_S)
         self._label = {"model_name": model_name}
+        for series in (self.aborted, self.retracted, self.structured, self.tpot, self.queue_time):
+            series.labels(**self._label)  # exported (as 0) before the first event
+        # the scheduler's running totals already counted (its counters are read at scrape time)
+        self._seen = {"num_retractions": 0, "num_grammar_reqs": 0}
 
     # ---- OutputObserver ------------------------------------------------------
 
@@ -65,22 +120,41 @@ class ServerMetrics:
             itl.observe(interval_s / num_tokens)
 
     def on_finish(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
-                  e2e_latency_s: float, finish_reason: dict[str, Any]) -> None:
+                  e2e_latency_s: float, finish_reason: dict[str, Any], ttft_s: float | None = None,
+                  queue_time_s: float | None = None) -> None:
+        """Count a finished request; TPOT when it has a TTFT and two tokens or more."""
+        kind = str(finish_reason.get("type"))
         self.prompt_tokens.labels(**self._label).inc(prompt_tokens)
         self.cached_tokens.labels(**self._label).inc(cached_tokens)
-        self.requests.labels(**self._label, finish_reason=str(finish_reason.get("type"))).inc()
+        self.requests.labels(**self._label, finish_reason=kind).inc()
+        if kind == "abort":
+            self.aborted.labels(**self._label).inc()
         self.e2e.labels(**self._label).observe(e2e_latency_s)
+        if ttft_s is not None and completion_tokens > 1:
+            self.tpot.labels(**self._label).observe(max(0.0, e2e_latency_s - ttft_s) / (completion_tokens - 1))
+        if queue_time_s is not None:
+            self.queue_time.labels(**self._label).observe(queue_time_s)
 
     # ---- scrape ---------------------------------------------------------------
 
     def update_from_scheduler(self, info: dict[str, Any]) -> None:
-        """Set the gauges from the scheduler's live figures (`Scheduler.get_info`)."""
+        """Set the gauges, and advance the counters the scheduler keeps, from its live figures
+        (`Scheduler.get_info`)."""
         total = info["max_total_tokens"]
         unused = info["free_kv_tokens"] + info["evictable_kv_tokens"]
         self.num_running_reqs.labels(**self._label).set(info["num_running_reqs"])
         self.num_queue_reqs.labels(**self._label).set(info["num_waiting_reqs"])
         self.token_usage.labels(**self._label).set((total - unused) / total if total else 0.0)
         self.cache_hit_rate.labels(**self._label).set(info["cache_hit_rate"])
+        for key, series in (("num_retractions", self.retracted), ("num_grammar_reqs", self.structured)):
+            for step in self._advance(key, info.get(key)):
+                series.labels(**self._label).inc(step)
+
+    def _advance(self, key: str, total: int | None) -> Iterator[int]:
+        """The rise of a scheduler total since the last scrape (nothing when it is absent or fell)."""
+        if total is not None and total > self._seen[key]:
+            yield total - self._seen[key]
+            self._seen[key] = total
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every series."""

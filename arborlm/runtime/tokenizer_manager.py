@@ -81,8 +81,10 @@ class OutputObserver(Protocol):
         output, or after the request was sent when `first` (its TTFT)."""
 
     def on_finish(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
-                  e2e_latency_s: float, finish_reason: dict[str, Any]) -> None:
-        """A request finished (any reason, aborts included)."""
+                  e2e_latency_s: float, finish_reason: dict[str, Any], ttft_s: float | None = None,
+                  queue_time_s: float | None = None) -> None:
+        """A request finished (any reason, aborts included); `ttft_s`: its time to first token
+        (None when it produced none); `queue_time_s`: its wait in the scheduler before admission."""
 
 
 class TokenizerManager:
@@ -352,8 +354,9 @@ class TokenizerManager:
             self.observer.on_tokens(len(out.new_token_ids), now - since, first)
             state.last_output_time = now
         if out.finish_reason is not None:
+            ttft = state.first_token_time - state.created_time if state.first_token_time is not None else None
             self.observer.on_finish(out.prompt_tokens, out.cached_tokens, out.completion_tokens,
-                                    now - state.created_time, out.finish_reason)
+                                    now - state.created_time, out.finish_reason, ttft_s=ttft)
 
     def _check_grammar_output(self, state: ReqState, out: ReqOutput) -> None:
         """A constrained output that the grammar ended must satisfy the user's schema.
@@ -412,6 +415,10 @@ class TokenizerManager:
             "e2e_latency": now - state.created_time,
             "ttft": (state.first_token_time - state.created_time) if state.first_token_time else None,
         }
+        if out.spec_verify_ct:
+            # SGLang's field: verify steps; accepted draft tokens beside it (docs/speculative.md).
+            meta["spec_verify_ct"] = out.spec_verify_ct
+            meta["spec_accepted_tokens"] = out.spec_accepted_tokens
         if state.output_token_logprobs or state.input_token_logprobs is not None:
             meta["output_token_logprobs"] = list(state.output_token_logprobs)
             meta["output_top_logprobs"] = list(state.output_top_logprobs)
