@@ -389,6 +389,56 @@ class ServerConfig:
             return False
 
 
+# SGLang's --speculative-algorithm names served here (see docs/speculative.md).
+SPECULATIVE_ALGORITHMS = ("NGRAM",)
+# Drafts longer than this cost more verify compute than they can win back on one chip.
+MAX_SPECULATIVE_DRAFT_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (SGLang's argument names; see `arborlm.runtime.speculative`)."""
+
+    speculative_algorithm: str | None = field(
+        default=None, metadata={"help": "draft tokens and verify them in one step: NGRAM (off when unset)"}
+    )
+    speculative_num_draft_tokens: int = field(
+        default=6, metadata={"help": "draft tokens verified per request and step"}
+    )
+    speculative_ngram_min_match_window_size: int = field(
+        default=2, metadata={"help": "shortest suffix (tokens) an n-gram draft must match"}
+    )
+    speculative_ngram_max_match_window_size: int = field(
+        default=4, metadata={"help": "longest suffix (tokens) an n-gram draft tries to match"}
+    )
+    speculative_ngram_capacity: int = field(
+        default=200_000, metadata={"help": "n-grams kept in the cross-request index of recent outputs"}
+    )
+    speculative_disable_by_batch_size: int = field(
+        default=16, metadata={"help": "no drafting while this many requests or more decode (0: never off)"}
+    )
+
+    def __post_init__(self):
+        _check_types(self)
+        if self.speculative_algorithm is not None:
+            _check(self.speculative_algorithm in SPECULATIVE_ALGORITHMS, "speculative_algorithm",
+                   self.speculative_algorithm, f"one of {SPECULATIVE_ALGORITHMS} or None")
+        _check(1 <= self.speculative_num_draft_tokens <= MAX_SPECULATIVE_DRAFT_TOKENS,
+               "speculative_num_draft_tokens", self.speculative_num_draft_tokens,
+               f"1..{MAX_SPECULATIVE_DRAFT_TOKENS}")
+        _check(self.speculative_ngram_min_match_window_size >= 1, "speculative_ngram_min_match_window_size",
+               self.speculative_ngram_min_match_window_size, ">= 1")
+        _check(self.speculative_ngram_max_match_window_size >= self.speculative_ngram_min_match_window_size,
+               "speculative_ngram_max_match_window_size", self.speculative_ngram_max_match_window_size,
+               ">= speculative_ngram_min_match_window_size")
+        _check(self.speculative_ngram_max_match_window_size <= 32, "speculative_ngram_max_match_window_size",
+               self.speculative_ngram_max_match_window_size, "<= 32")
+        _check(self.speculative_ngram_capacity >= 0, "speculative_ngram_capacity",
+               self.speculative_ngram_capacity, ">= 0")
+        _check(self.speculative_disable_by_batch_size >= 0, "speculative_disable_by_batch_size",
+               self.speculative_disable_by_batch_size, ">= 0 (0: never off)")
+
+
 # sglang-router's load-balancing policies (`--policy` of `python -m sglang_router.launch_router`).
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
@@ -427,6 +477,7 @@ class ServerArgs:
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     chat: ChatConfig = field(default_factory=ChatConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod

@@ -88,6 +88,9 @@ class ReqOutput:
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     input_token_logprobs: list[tuple[float | None, int]] | None = None
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    # Speculative decoding so far: verify steps the request took part in, draft tokens accepted.
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass

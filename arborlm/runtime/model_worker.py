@@ -25,6 +25,7 @@ from arborlm.runtime.io_struct import ModelInfo
 from arborlm.runtime.model_runner import ModelRunner
 from arborlm.runtime.sampling import Sampler, SamplingBatchInfo, compute_logprobs, make_generator
 from arborlm.runtime.schedule_batch import Req
+from arborlm.runtime.speculative.verify import DraftVerifier
 
 # Mask fill times kept for the structured-output benchmark (one entry per constrained request and step).
 MASK_FILL_SAMPLES = 1 << 16
@@ -72,11 +73,14 @@ class ModelWorkerBatch:
         them and changes nothing but `generator` (created on first sampling).
     sample_rows: indices into `reqs` of the requests that take a next token
         this step (not a chunked prompt with tokens left, nor `max_new_tokens` 0).
+    draft_tokens: a speculative verify step: per request, the draft run after
+        its last token (`speculative.scheduling.build_verify_batch`); None otherwise.
     """
 
     forward_batch: ForwardBatch
     reqs: list[Req]
     sample_rows: list[int]
+    draft_tokens: list[list[int]] | None = None
 
 
 @dataclass
@@ -192,6 +196,7 @@ class ModelWorker:
         self.token_to_kv_pool_allocator = model_runner.token_to_kv_pool_allocator
         self.sampler = Sampler()
         self.grammar_masker = GrammarMasker()
+        self.draft_verifier = DraftVerifier(self.sampler, self.model_info.vocab_size, self._eos_ids)
 
     @property
     def mask_fill_seconds(self) -> deque[float]:
@@ -205,6 +210,8 @@ class ModelWorker:
         then be partly written, and the scheduler frees its slots.
         """
         logits_output = self.model_runner.forward(batch.forward_batch)
+        if batch.draft_tokens is not None:
+            return self.verify_drafts(batch, logits_output)
         prompt_logprobs = [None] * len(batch.reqs)
         if batch.forward_batch.forward_mode.is_extend():
             prompt_logprobs = self.collect_prompt_logprobs(batch, logits_output)
@@ -215,6 +222,13 @@ class ModelWorker:
         return GenerationResult(
             sampled.token_ids, sampled.logprob_infos, prompt_logprobs, invalid_rows=sampled.invalid_rows
         )
+
+    def verify_drafts(self, batch: ModelWorkerBatch, logits_output: LogitsOutput) -> GenerationResult:
+        """A speculative verify step: the target's tokens at every draft position, greedy
+        acceptance (`speculative.verify`); `accept_lens` says how many each request took."""
+        out = self.draft_verifier.verify(batch.reqs, batch.draft_tokens, logits_output.full_logits)
+        infos = [None if lp is None else LogprobInfo(*lp) for lp in out.logprobs]
+        return GenerationResult(out.token_ids, infos, [None] * len(batch.reqs), out.accept_lens, out.invalid_rows)
 
     def sample(self, reqs: list[Req], logits: torch.Tensor) -> Sampled:
         """Pick one token per request: `logits` (len(reqs), V) float32, grammar-masked in place first."""

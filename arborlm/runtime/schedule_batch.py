@@ -58,6 +58,11 @@ class Req:
     # Prompt logprob bookkeeping when return_logprob with logprob_start_len >= 0.
     input_token_logprobs: list[tuple[float | None, int]] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    # Speculative decoding: drafting state (`speculative.scheduling.SpecReqState`), verify
+    # steps this request took part in, and draft tokens of it the target accepted.
+    spec_state: Any = None
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def fill_ids(self) -> list[int]:
@@ -122,6 +127,9 @@ class ScheduleBatch:
     reqs: list[Req]
     forward_mode: ForwardMode
     sample_rows: list[int] = field(default_factory=list)
+    # A speculative decode step: each request's draft tokens, verified after its last token
+    # (`speculative.scheduling`); None for a plain step.
+    draft_tokens: list[list[int]] | None = None
 
     def is_empty(self) -> bool:
         return not self.reqs

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from typing import Any
 
 from arborlm.constrained.base import GrammarError
@@ -41,6 +42,7 @@ from arborlm.runtime.model_worker import GenerationResult, ModelWorker, ModelWor
 from arborlm.runtime.schedule_batch import Req, ScheduleBatch
 from arborlm.runtime.schedule_policy import PrefillAdder, SchedulePolicy
 from arborlm.runtime.scheduler_output import SchedulerOutputProcessor
+from arborlm.runtime.speculative import scheduling as spec
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +102,7 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.new_token_ratio = sched.init_new_token_ratio
         self.pending_outputs: list[ReqOutput] = []
+        self.speculator = spec.make_speculator(server_args.speculative, self.model_info.context_length)
         self.stats = {
             "num_prompt_tokens": 0,
             "num_cached_tokens": 0,
@@ -287,7 +290,10 @@ class Scheduler:
         if not self.running:
             return None
         self.prepare_decode_memory()
-        return ScheduleBatch(list(self.running), ForwardMode.DECODE)
+        batch = ScheduleBatch(list(self.running), ForwardMode.DECODE)
+        if self.speculator is not None:
+            batch.draft_tokens = self.speculator.propose_drafts(batch.reqs, self.kv.available_size() - len(batch.reqs))
+        return batch
 
     def get_new_batch_prefill(self, alongside: list[Req] | None = None) -> ScheduleBatch | None:
         """Admit waiting requests (and the next chunk of the chunked one) by policy.
@@ -409,6 +415,8 @@ class Scheduler:
         """
         is_extend = batch.forward_mode.is_extend()
         num_new = sum(r.extend_input_len for r in batch.reqs) if is_extend else len(batch.reqs)
+        if batch.draft_tokens is not None:
+            num_new = spec.verify_num_tokens(batch.draft_tokens)
         out_cache_loc = self.kv.alloc_slots(num_new)
         if out_cache_loc is None:
             raise RuntimeError(f"out of KV slots for an extend of {num_new} tokens" if is_extend
@@ -421,9 +429,13 @@ class Scheduler:
         batch.sample_rows = [i for i, req in enumerate(batch.reqs) if takes_next_token(req, is_extend)]
         try:
             prepare = batch.prepare_extend if is_extend else batch.prepare_decode
+            if batch.draft_tokens is not None:
+                prepare = partial(spec.build_verify_batch, batch.reqs, batch.draft_tokens)
             forward_batch = prepare(self.kv.req_to_token_pool, self.worker.token_to_kv_pool, out_cache_loc)
-            result = self.worker.forward_batch_generation(ModelWorkerBatch(forward_batch, batch.reqs, batch.sample_rows))
-            check_result_shape(batch, result)
+            result = self.worker.forward_batch_generation(
+                ModelWorkerBatch(forward_batch, batch.reqs, batch.sample_rows, batch.draft_tokens))
+            if batch.draft_tokens is None:
+                check_result_shape(batch, result)
             return result
         except Exception:
             self.kv.free_slots(out_cache_loc)
@@ -432,6 +444,8 @@ class Scheduler:
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationResult) -> list[ReqOutput]:
         """Bookkeeping of a step the worker ran: advance every request over its new KV,
         append the sampled tokens, advance grammars, finish, jump forward, release."""
+        if batch.draft_tokens is not None:
+            return self.process_verify_result(batch, result)
         is_extend = batch.forward_mode.is_extend()
         running = set(map(id, self.running))
         for req, prompt_logprobs in zip(batch.reqs, result.prompt_logprobs):
@@ -449,11 +463,51 @@ class Scheduler:
             forced = self._append_token(req, token_id)
             outputs.append(self.output_processor.make_output(req, [token_id, *forced], logprob_info))
             if req.finished:
+                if self.speculator is not None:
+                    self.speculator.on_finished(req)
                 self.kv.release_req(req)
             elif forced:
                 self.jump_forward_reqs.append(req)
             elif is_extend and id(req) not in running:
                 self.running.append(req)
+        outputs.extend(self._abort_flagged(batch))
+        self.running = [r for r in self.running if not r.finished and r not in self.jump_forward_reqs]
+        return outputs
+
+    def process_verify_result(self, batch: ScheduleBatch, result: GenerationResult) -> list[ReqOutput]:
+        """Bookkeeping of a speculative decode step (see `speculative.scheduling`).
+
+        Each request appends its emitted tokens one by one, as decode steps would
+        (grammar, finish checks, stop strings), until one finishes it or forces a
+        jump; its row keeps the KV of the tokens it kept and the rest is freed at once.
+        """
+        outputs = []
+        invalid = set(result.invalid_rows)
+        tokens = spec.split_verify_tokens(result.accept_lens, result.next_token_ids)
+        infos = spec.split_verify_tokens(result.accept_lens, result.logprob_infos)
+        for j, (req, draft) in enumerate(zip(batch.reqs, batch.draft_tokens)):
+            kept, forced = [], []
+            for token_id in tokens[j] if j not in invalid else tokens[j][:1]:
+                kept.append(token_id)
+                if j in invalid:
+                    break
+                forced = self._append_token(req, token_id)
+                if req.finished or forced:
+                    break
+            self.kv.free_slots(spec.rejected_slots(self.kv.req_to_token_pool, req, len(draft), len(kept)))
+            req.kv_len += len(kept)
+            if j in invalid:
+                outputs.append(self._abort_non_finite(req))
+                continue
+            self.speculator.on_verified(req, len(draft), len(kept))
+            outputs.append(spec.with_token_logprobs(self.output_processor.make_output(req, kept + forced),
+                                                    infos[j][: len(kept)]))
+            if req.finished:
+                self.speculator.on_finished(req)
+                self.kv.release_req(req)
+            elif forced:
+                self.jump_forward_reqs.append(req)
+        self.speculator.stats.num_verify_steps += 1
         outputs.extend(self._abort_flagged(batch))
         self.running = [r for r in self.running if not r.finished and r not in self.jump_forward_reqs]
         return outputs
@@ -552,6 +606,7 @@ class Scheduler:
             **self.kv.usage(),
             "cache_hit_rate": self.stats["num_cached_tokens"] / prompt if prompt else 0.0,
             "new_token_ratio": self.new_token_ratio,
+            **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
         }
 
     def check_invariants(self) -> None:

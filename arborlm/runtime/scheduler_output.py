@@ -109,6 +109,8 @@ class SchedulerOutputProcessor:
             prompt_tokens=len(req.origin_input_ids),
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,
+            spec_verify_ct=req.spec_verify_ct,
+            spec_accepted_tokens=req.spec_accepted_tokens,
         )
         if logprob_info is not None:
             # Tokens after the sampled one were forced by the grammar: probability 1 under the mask.

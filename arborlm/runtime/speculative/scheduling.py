@@ -1,0 +1,243 @@
+"""The scheduler's side of speculative decoding: which requests draft, the verify batch, bookkeeping.
+
+Place in the request path: when the scheduler has built a decode step (after
+`prepare_decode_memory` made room for one token per request), `Speculator`
+proposes a draft per request (`propose_drafts`), cut to the KV slots left over,
+to the request's remaining `max_new_tokens` and context, and before the first
+token its grammar rejects. `build_verify_batch` turns the step into one extend
+chain per request (its last token, then its draft). After the worker verified
+(`verify.DraftVerifier`), the scheduler appends each request's accepted tokens
+one by one (finish checks, stop strings and `max_new_tokens` cut them exactly),
+keeps their KV in the row and frees the rest at once (`rejected_slots`).
+
+Adaptive off-switch: no drafting at all while the decode batch holds
+``speculative_disable_by_batch_size`` requests or more (a large batch is
+compute-bound, and verify work is then no longer free); per request, a draft
+wholly rejected doubles the number of steps it waits before drafting again
+(up to `MAX_BACKOFF_STEPS`), and an accepted one resets it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from arborlm.runtime.config import SpeculativeConfig
+from arborlm.runtime.forward_batch_info import ForwardBatch, ForwardMode
+from arborlm.runtime.schedule_batch import Req
+from arborlm.runtime.speculative.ngram import NgramDrafter, PromptLookupIndex
+
+# Longest pause (decode steps) of a request whose drafts keep failing.
+MAX_BACKOFF_STEPS = 16
+
+
+@dataclass
+class SpecReqState:
+    """Drafting state of one request (kept on `Req.spec_state`)."""
+
+    index: PromptLookupIndex
+    wait_steps: int = 0  # steps left before it drafts again
+    backoff: int = 0  # the pause after its next wholly rejected draft
+    last_draft_len: int = 0
+
+
+@dataclass
+class SpecStats:
+    """Counters for /get_server_info and /metrics (tokens and steps)."""
+
+    num_verify_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_emitted_tokens: int = 0  # tokens the verify steps emitted (accepted drafts + one each)
+    num_verified_reqs: int = 0  # request-steps verified
+    num_skipped_batches: int = 0  # decode steps left undrafted by the batch-size switch
+
+    def as_dict(self) -> dict[str, float]:
+        accept_length = self.num_emitted_tokens / self.num_verified_reqs if self.num_verified_reqs else 0.0
+        rate = self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+        return {
+            "spec_num_verify_steps": self.num_verify_steps,
+            "spec_num_draft_tokens": self.num_draft_tokens,
+            "spec_num_accepted_tokens": self.num_accepted_draft_tokens,
+            "spec_accept_rate": rate,
+            "spec_accept_length": accept_length,
+            "spec_num_skipped_batches": self.num_skipped_batches,
+        }
+
+
+@dataclass
+class Speculator:
+    """Proposes n-gram drafts for a decode step and keeps the acceptance statistics.
+
+    Parameters
+    ----------
+    config: the speculative settings (`SpeculativeConfig`, algorithm NGRAM).
+    context_length: max tokens of one request (drafts never run past it).
+    """
+
+    config: SpeculativeConfig
+    context_length: int
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    def __post_init__(self):
+        cfg = self.config
+        self.drafter = NgramDrafter(cfg.speculative_ngram_min_match_window_size,
+                                    cfg.speculative_ngram_max_match_window_size,
+                                    cfg.speculative_ngram_capacity, cfg.speculative_num_draft_tokens)
+
+    def propose_drafts(self, reqs: list[Req], free_slots: int) -> list[list[int]] | None:
+        """A draft per request of a decode step, or None when none has one (a plain decode).
+
+        free_slots: KV slots the step may take beyond one per request; drafts
+        are cut so their total fits.
+        """
+        limit = self.config.speculative_disable_by_batch_size
+        if limit and len(reqs) >= limit:
+            self.stats.num_skipped_batches += 1
+            return None
+        drafts = []
+        for req in reqs:
+            draft = self._draft(req, free_slots)
+            free_slots -= len(draft)
+            drafts.append(draft)
+        return drafts if any(drafts) else None
+
+    def _draft(self, req: Req, free_slots: int) -> list[int]:
+        # Sampled requests need rejection sampling to keep their distribution (not here yet).
+        if req.to_abort or not req.sampling_params.is_greedy or free_slots <= 0:
+            return []
+        state = self._state(req)
+        state.last_draft_len = 0
+        if state.wait_steps > 0:
+            state.wait_steps -= 1
+            return []
+        # The verify step emits up to len(draft) + 1 tokens: never past max_new_tokens or the context.
+        room = min(req.remaining_new_tokens, self.context_length - req.seqlen) - 1
+        draft = self.drafter.propose(state.index, req.fill_ids, min(room, free_slots))
+        if req.grammar is not None:
+            draft = grammatical_prefix(req.grammar, draft)
+        state.last_draft_len = len(draft)
+        return draft
+
+    def _state(self, req: Req) -> SpecReqState:
+        if req.spec_state is None:
+            req.spec_state = SpecReqState(self.drafter.new_index())
+        return req.spec_state
+
+    def on_verified(self, req: Req, draft_len: int, num_emitted: int) -> None:
+        """Count one request's verify result and adapt its drafting (see the module docstring)."""
+        accepted = max(0, min(draft_len, num_emitted - 1))
+        req.spec_verify_ct += 1
+        req.spec_accepted_tokens += accepted
+        self.stats.num_verified_reqs += 1
+        self.stats.num_draft_tokens += draft_len
+        self.stats.num_accepted_draft_tokens += accepted
+        self.stats.num_emitted_tokens += num_emitted
+        state = req.spec_state
+        if state is None or draft_len == 0:
+            return
+        if accepted == 0:
+            state.wait_steps = state.backoff
+            state.backoff = min(MAX_BACKOFF_STEPS, max(1, 2 * state.backoff))
+        else:
+            state.backoff = 0
+
+    def on_finished(self, req: Req) -> None:
+        """Index a finished request's output for the others and drop its drafting state."""
+        if req.finish_reason is not None and req.finish_reason.get("type") != "abort":
+            self.drafter.on_finished(req.origin_input_ids, req.output_ids)
+        req.spec_state = None
+
+
+def grammatical_prefix(grammar, draft: list[int]) -> list[int]:
+    """The longest prefix of ``draft`` the matcher accepts, stopping before a token that
+    ends the grammar (the target decides the end itself); the matcher is rolled back."""
+    accepted = 0
+    for token_id in draft:
+        if not grammar.accept_token(token_id):
+            break
+        accepted += 1
+        if grammar.is_terminated():
+            break
+    if accepted and grammar.is_terminated():
+        grammar.rollback(1)
+        accepted -= 1
+    grammar.rollback(accepted)
+    return draft[:accepted]
+
+
+def verify_num_tokens(drafts: list[list[int]]) -> int:
+    """KV slots a verify step takes: one chain of 1 + len(draft) tokens per request."""
+    return sum(1 + len(d) for d in drafts)
+
+
+def build_verify_batch(reqs: list[Req], drafts: list[list[int]], req_to_token_pool, token_to_kv_pool,
+                       out_cache_loc: torch.Tensor) -> ForwardBatch:
+    """The verify step as an extend `ForwardBatch` with logits at every position.
+
+    Request i runs ``[output_ids[-1], *drafts[i]]`` at positions ``kv_len ..
+    kv_len + len(drafts[i])``; `out_cache_loc` (verify_num_tokens(drafts),) int64
+    holds their fresh slots, request after request, and is written into each
+    row of ``req_to_token``.
+    """
+    input_ids: list[int] = []
+    prefix_lens, extend_lens = [], []
+    offset = 0
+    for req, draft in zip(reqs, drafts):
+        n = 1 + len(draft)
+        input_ids.append(req.output_ids[-1])
+        input_ids.extend(draft)
+        req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_len : req.kv_len + n] = (
+            out_cache_loc[offset : offset + n].to(torch.int32))
+        offset += n
+        prefix_lens.append(req.kv_len)
+        extend_lens.append(n)
+    return ForwardBatch.build(
+        ForwardMode.EXTEND, input_ids, [r.req_pool_idx for r in reqs], prefix_lens, extend_lens,
+        out_cache_loc, req_to_token_pool, token_to_kv_pool, return_full_logits=True,
+    )
+
+
+def rejected_slots(req_to_token_pool, req: Req, draft_len: int, num_kept: int) -> torch.Tensor:
+    """The slots of a verified chain past the ``num_kept`` tokens it keeps, (n,) int64.
+
+    Call before advancing ``req.kv_len``: the chain sits at positions
+    ``kv_len .. kv_len + draft_len`` of the request's row.
+    """
+    start = req.kv_len + num_kept
+    return req_to_token_pool.req_to_token[req.req_pool_idx, start : req.kv_len + 1 + draft_len].to(torch.int64)
+
+
+def split_verify_tokens(accept_lens: list[int], items: list) -> list[list]:
+    """``items`` (one per emitted token, requests in turn) cut into one list per request."""
+    if sum(accept_lens) != len(items):
+        raise RuntimeError(f"worker returned {len(items)} tokens for accept lengths summing to {sum(accept_lens)}")
+    out, offset = [], 0
+    for n in accept_lens:
+        out.append(items[offset : offset + n])
+        offset += n
+    return out
+
+
+def with_token_logprobs(out, infos: list) -> object:
+    """Set the logprobs of a verify step's emitted tokens on its `ReqOutput` (in place; returned).
+
+    infos: one `LogprobInfo` (or None: not asked) per kept token; tokens after
+    them in ``out.new_token_ids`` were forced by the grammar (logprob 0).
+    """
+    if not infos or infos[0] is None:
+        return out
+    forced = out.new_token_ids[len(infos):]
+    out.output_token_logprobs = [(i.logprob, i.token_id) for i in infos] + [(0.0, t) for t in forced]
+    out.output_top_logprobs = [i.top for i in infos] + [[(0.0, t)] for t in forced]
+    return out
+
+
+def make_speculator(config: SpeculativeConfig, context_length: int) -> Speculator | None:
+    """The `Speculator` of ``config.speculative_algorithm``; None when speculation is off."""
+    if config.speculative_algorithm is None:
+        return None
+    if config.speculative_algorithm == "NGRAM":
+        return Speculator(config, context_length)
+    raise ValueError(f"speculative_algorithm={config.speculative_algorithm!r} is not served")

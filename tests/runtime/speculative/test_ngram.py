@@ -1,0 +1,100 @@
+"""N-gram drafting (prompt lookup, the cross-request index) and greedy acceptance, table-driven."""
+
+from __future__ import annotations
+
+import pytest
+
+from arborlm.runtime.speculative.ngram import NgramDrafter, PromptLookupIndex, RecentOutputIndex
+from arborlm.runtime.speculative.scheduling import grammatical_prefix
+from arborlm.runtime.speculative.verify import accept_greedy
+
+
+@pytest.mark.parametrize("tokens, k, want", [
+    ([1, 2, 3, 4, 9, 1, 2, 3], 3, [4, 9, 1]),  # the 3-gram 1 2 3 recurs: what followed it
+    ([1, 2, 3, 4, 5, 6, 2, 3], 4, [4, 5, 6, 2]),  # the 2-gram 2 3 (no longer match)
+    ([5, 1, 2, 7, 1, 2, 8, 1, 2], 2, [8, 1]),  # the latest earlier occurrence wins
+    ([1, 2, 3, 4], 3, []),  # nothing recurs
+    ([7, 7, 7, 7], 3, [7]),  # overlapping: only what exists after the match
+    ([3], 3, []),
+])
+def test_prompt_lookup(tokens, k, want):
+    assert PromptLookupIndex(2, 3).propose(tokens, k) == want
+
+
+def test_prompt_lookup_grows_incrementally():
+    """Extending the tokens after a lookup gives the same drafts as a fresh index."""
+    index = PromptLookupIndex(1, 4)
+    tokens = [4, 8, 15, 16, 23, 42]
+    for t in [4, 8, 15, 99, 4, 8]:
+        tokens.append(t)
+        assert index.propose(tokens, 3) == PromptLookupIndex(1, 4).propose(tokens, 3)
+    assert index.propose(tokens, 3) == [15, 99, 4]
+
+
+def test_recent_outputs_are_shared_and_bounded():
+    index = RecentOutputIndex(2, 3, capacity=9, continuation_len=4)
+    index.add([1, 2], [10, 11, 12, 13, 14])
+    assert index.propose([9, 9, 10, 11], 4) == [12, 13, 14]
+    assert index.propose([5, 1, 2], 2) == [10, 11]  # keyed by the prompt's tail too
+    assert len(index) == 9  # 1 2 | 2 10, 1 2 10 | ... | 12 13, 11 12 13
+    index.add([7], [50, 51, 52, 53, 54, 55, 56])  # the oldest keys make room
+    assert len(index) == 9
+    assert index.propose([10, 11], 4) == []
+    assert index.propose([52, 53], 4) == [54, 55, 56]
+
+
+def test_drafter_prefers_the_requests_own_tokens():
+    drafter = NgramDrafter(2, 3, capacity=100, num_draft_tokens=3)
+    drafter.on_finished([0], [1, 2, 60, 61, 62])
+    own = drafter.new_index()
+    assert drafter.propose(own, [1, 2, 30, 31, 1, 2], max_len=10) == [30, 31, 1]
+    assert drafter.propose(drafter.new_index(), [9, 1, 2], max_len=2) == [60, 61]
+    assert drafter.propose(drafter.new_index(), [9, 1, 2], max_len=0) == []
+
+
+@pytest.mark.parametrize("draft, targets, first_invalid, want", [
+    ([], [5], None, 1),
+    ([5, 6, 7], [5, 6, 7, 8], None, 4),  # all accepted + the bonus token
+    ([5, 6, 7], [5, 9, 7, 8], None, 2),  # 5 accepted, then the target's 9
+    ([5, 6, 7], [4, 6, 7, 8], None, 1),
+    ([5, 6, 7], [5, 6, 7, 8], 2, 2),  # a non-finite row stops emission before it
+    ([5, 6, 7], [5, 6, 7, 8], 0, 1),
+])
+def test_accept_greedy(draft, targets, first_invalid, want):
+    assert accept_greedy(draft, targets, first_invalid) == want
+
+
+class CountingMatcher:
+    """A grammar over digits 0..9 ending with token 2 (EOS); records its history."""
+
+    def __init__(self):
+        self.history: list[int] = []
+        self.ended = False
+
+    def accept_token(self, t: int) -> bool:
+        if self.ended or not (t == 2 or 10 <= t < 20):
+            return False
+        self.history.append(t)
+        self.ended = t == 2
+        return True
+
+    def rollback(self, n: int) -> None:
+        for _ in range(n):
+            self.ended = False
+            self.history.pop()
+
+    def is_terminated(self) -> bool:
+        return self.ended
+
+
+@pytest.mark.parametrize("draft, want", [
+    ([11, 12, 13], [11, 12, 13]),
+    ([11, 99, 13], [11]),  # a rejected token ends the draft
+    ([11, 2, 13], [11]),  # a token that ends the grammar is left to the target
+    ([99], []),
+])
+def test_grammatical_prefix_leaves_the_matcher_as_it_was(draft, want):
+    matcher = CountingMatcher()
+    matcher.accept_token(10)
+    assert grammatical_prefix(matcher, draft) == want
+    assert matcher.history == [10] and not matcher.ended

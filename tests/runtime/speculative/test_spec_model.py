@@ -1,0 +1,119 @@
+"""Speculation on a real model: greedy output token-identical to speculation off.
+
+The tiny random Llama (float32) runs every case in-process; the default model
+(SmolLM2, float32 weights) runs one copy-heavy chat prompt. Every run checks
+the pool invariants after each step and that every slot and row is back at the
+end (`run_to_completion`); each test also asserts that drafts were accepted, so
+the verify path really ran.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.runtime.scheduler_helpers import create_scheduler, make_req, run_to_completion
+
+
+def copy_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat their own phrases (what prompt lookup feeds on)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        phrases = [[rng.randrange(100, 40000) for _ in range(rng.randint(3, 7))] for _ in range(3)]
+        out.append([t for _ in range(rng.randint(3, 6)) for t in rng.choice(phrases)])
+    return out
+
+
+def both(make, reqs_fn, **overrides):
+    """Run the same requests with speculation off and on; returns both results and the NGRAM scheduler."""
+    off = run_to_completion(make(**overrides), reqs_fn())
+    sched = make(speculative_algorithm="NGRAM", **overrides)
+    on = run_to_completion(sched, reqs_fn())
+    return off, on, sched
+
+
+@pytest.fixture
+def make_tiny(tiny_llama_dir, tiny_tokenizer):
+    return lambda **kw: create_scheduler(tiny_llama_dir, tiny_tokenizer, **kw)
+
+
+def test_greedy_identity_on_the_tiny_model(make_tiny):
+    """A batch of ragged copy-heavy prompts: the same tokens, finish reasons and logprobs
+    (of the target, within float noise), in fewer steps."""
+    prompts = copy_prompts(5)
+
+    def reqs():
+        out = [make_req(f"r{i}", p, max_new_tokens=24 + 5 * i) for i, p in enumerate(prompts)]
+        for req in out[::2]:
+            req.return_logprob, req.top_logprobs_num = True, 2
+        return out
+
+    off, on, sched = both(make_tiny, reqs)
+    assert on.tokens == off.tokens
+    assert on.finish == off.finish
+    info = sched.get_info()
+    assert info["spec_num_accepted_tokens"] > 0
+    assert on.steps < off.steps
+    for rid in off.tokens:
+        lp_off = [lp for o in off.outputs[rid] for lp in o.output_token_logprobs]
+        lp_on = [lp for o in on.outputs[rid] for lp in o.output_token_logprobs]
+        assert [t for _, t in lp_on] == [t for _, t in lp_off]
+        assert [v for v, _ in lp_on] == pytest.approx([v for v, _ in lp_off], abs=1e-4)
+        top_off = [top for o in off.outputs[rid] for top in o.output_top_logprobs]
+        top_on = [top for o in on.outputs[rid] for top in o.output_top_logprobs]
+        assert [[t for _, t in row] for row in top_on] == [[t for _, t in row] for row in top_off]
+
+
+def test_greedy_identity_under_kv_pressure_and_retraction(make_tiny):
+    """A pool too small for the batch: retraction mid-speculation, the same tokens."""
+    prompts = copy_prompts(6, seed=1)
+
+    def reqs():
+        return [make_req(f"r{i}", p, max_new_tokens=40, ignore_eos=True) for i, p in enumerate(prompts)]
+
+    off, on, sched = both(make_tiny, reqs, max_total_tokens=160, init_new_token_ratio=0.05,
+                          min_new_token_ratio=0.0, new_token_ratio_decay=0.0)
+    assert sched.stats["num_retractions"] > 0
+    assert sched.get_info()["spec_num_accepted_tokens"] > 0
+    assert on.tokens == off.tokens
+
+
+def test_penalties_and_min_new_tokens_see_the_drafted_tokens(make_tiny):
+    """Repetition/frequency penalties and min_new_tokens at each draft position count the
+    drafts before it, as a decode step would have."""
+    prompts = copy_prompts(3, seed=2)
+
+    def reqs():
+        return [make_req("pen", prompts[0], max_new_tokens=30, repetition_penalty=1.3, frequency_penalty=0.4),
+                make_req("min", prompts[1], max_new_tokens=30, min_new_tokens=20),
+                make_req("plain", prompts[2], max_new_tokens=30)]
+
+    off, on, sched = both(make_tiny, reqs)
+    assert on.tokens == off.tokens
+    assert sched.get_info()["spec_num_accepted_tokens"] > 0
+
+
+def test_greedy_identity_on_the_default_model(smollm_dir):
+    """SmolLM2 asked to repeat a paragraph: the same text, and most of it from accepted drafts."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(smollm_dir))
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Repeat this sentence exactly: the radix cache shares every common "
+                                     "prefix across calls, and grammar masks keep JSON valid."}],
+        add_generation_prompt=True, tokenize=False)
+    ids = tok.encode(text)
+
+    def reqs():
+        return [make_req("copy", ids, max_new_tokens=28)]
+
+    def make(**kw):
+        return create_scheduler(smollm_dir, tok, quantization="none", max_total_tokens=1024, **kw)
+
+    off, on, sched = both(make, reqs)
+    assert on.tokens == off.tokens
+    info = sched.get_info()
+    assert info["spec_accept_length"] > 2.0
+    assert on.steps < off.steps
