@@ -1,22 +1,36 @@
 """The same programs on the Engine, on `RuntimeEndpoint` and on the `OpenAI` backend against one
-`arborlm serve` on the tiny model (one server for this module): same greedy results, clear refusals."""
+arborlm server on the tiny model, started from Python with `sgl.Runtime` (one server for this
+module): same greedy results, clear refusals."""
 
 from __future__ import annotations
+
+import json
+from dataclasses import dataclass
 
 import httpx
 import pytest
 
 import arborlm as sgl
 from arborlm.frontend_lang.backend.base_backend import UnsupportedByBackendError
-from tests.server.conftest import API_KEY, start_server, stop_server, wait_idle
+from tests.server.conftest import API_KEY, wait_idle
+
+
+@dataclass
+class Server:
+    runtime: object
+    base_url: str
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir, tmp_path_factory):
-    srv = start_server(tiny_llama_dir, tmp_path_factory.mktemp("lang_server") / "server.log",
-                       "--max-running-requests", "16", "--max-queued-requests", "64")
-    yield srv
-    stop_server(srv)
+def server(tiny_llama_dir):
+    runtime = sgl.Runtime(model_path=str(tiny_llama_dir), dtype="float32", max_total_tokens=8192, random_seed=1234,
+                          log_level="warning", api_key=API_KEY, max_running_requests=16, max_queued_requests=64)
+    yield Server(runtime, runtime.url)
+    runtime.shutdown()
+    assert runtime._process is None
 
 
 @pytest.fixture
@@ -109,3 +123,70 @@ def test_openai_backend_refuses_what_the_api_cannot_serve(openai_backend, expr, 
     with pytest.raises(UnsupportedByBackendError) as info:
         prog.run(backend=openai_backend)
     assert info.value.param == param
+
+
+@sgl.function
+def typed(s):
+    s += "City facts.\n"
+    with s.var_scope("json_output"):
+        s += '{"name": ' + sgl.gen_string("name", max_tokens=8) + ', "population": ' + sgl.gen_int("population", max_tokens=8)
+        s += "}"
+    s += "\nEnd." + sgl.gen("tail", max_tokens=16, ignore_eos=True, stop_regex=r"[a-z]{3}")
+
+
+def test_runtime_is_a_backend_and_runs_programs_as_the_engine_does(engine, server):
+    runtime = server.runtime
+    local = typed.run(backend=engine, temperature=0)
+    remote = typed(backend=runtime, temperature=0)
+    assert remote.text() == local.text() and remote["tail"] == local["tail"]
+    assert remote.get_meta_info("tail")["finish_reason"] == local.get_meta_info("tail")["finish_reason"]
+    runtime.token_usage.reset()
+    again = typed.run(backend=runtime, temperature=0)
+    metas = [again.get_meta_info(n) for n in ("name", "population", "tail")]
+    assert runtime.token_usage.prompt_tokens == sum(m["prompt_tokens"] for m in metas)
+    assert runtime.token_usage.completion_tokens == sum(m["completion_tokens"] for m in metas)
+    answer = json.loads(runtime.generate("Hello", {"max_new_tokens": 3, "temperature": 0}))
+    assert answer["meta_info"]["completion_tokens"] == 3
+    assert runtime.get_server_info()["num_prompt_tokens"] > 0 and runtime.flush_cache() is True
+    assert runtime.get_tokenizer()("Hello").input_ids == engine.tokenizer("Hello").input_ids
+
+
+def test_runtime_endpoint_chat_template_name_verify_and_logprob_text(server, endpoint):
+    named = sgl.RuntimeEndpoint(server.base_url, api_key=API_KEY, chat_template_name="llama-3-instruct", verify=False)
+    try:
+        assert named.get_chat_template().prefix("user") == "<|start_header_id|>user<|end_header_id|>\n\n"
+        assert endpoint.get_chat_template().prefix("user") == "<|im_start|>user\n"  # the served model's own
+
+        @sgl.function
+        def qa(s):
+            s += sgl.user("Hi") + sgl.assistant(sgl.gen("a", max_tokens=3, ignore_eos=True, return_logprob=True,
+                                                        return_text_in_logprobs=True))
+
+        state = qa.run(backend=named, temperature=0)
+        assert state.text().startswith("<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>")
+        triples = state.get_meta_info("a")["output_token_logprobs"]
+        assert len(triples) == 3 and all(isinstance(text, str) for _, _, text in triples)
+        assert "".join(text for _, _, text in triples) == state["a"]
+    finally:
+        named.shutdown()
+    with pytest.raises(ValueError, match="chat_template"):
+        sgl.RuntimeEndpoint(server.base_url, api_key=API_KEY, chat_template_name="no-such-template")
+
+
+def test_openai_backend_as_a_completion_model_and_its_token_usage(endpoint, openai_backend, server):
+    models = httpx.get(f"{server.base_url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    instruct = sgl.OpenAI(models["data"][0]["id"], is_chat_model=False, base_url=f"{server.base_url}/v1",
+                          api_key=API_KEY)
+
+    @sgl.function
+    def turn(s):
+        s += sgl.user("Name a colour.")
+        s += sgl.assistant("Sure: " + sgl.gen("colour", max_tokens=5))
+
+    as_text = turn.run(backend=instruct, temperature=0)  # a text completion of the program text
+    assert as_text["colour"] == turn.run(backend=endpoint, temperature=0)["colour"]
+    openai_backend.token_usage.reset()
+    state = chat.run(question="Why?", backend=openai_backend, temperature=0)
+    metas = [state.get_meta_info("answer"), state.get_meta_info("again")]
+    assert openai_backend.token_usage.prompt_tokens == sum(m["prompt_tokens"] for m in metas) > 0
+    assert openai_backend.token_usage.completion_tokens == sum(m["completion_tokens"] for m in metas)
