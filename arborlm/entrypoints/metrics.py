@@ -87,6 +87,8 @@ class ServerMetrics:
         self.num_queue_reqs = gauge("num_queue_reqs", "requests waiting to be scheduled (incl. grammar compiling)")
         self.token_usage = gauge("token_usage", "fraction of KV slots held by requests (free and evictable cache slots excluded)")
         self.cache_hit_rate = gauge("cache_hit_rate", "cached prompt tokens / prompt tokens since start")
+        self.spec_accept_length = gauge("spec_accept_length",
+                                        "speculative decoding: mean tokens emitted per request and verify step")
         self.prompt_tokens = counter("prompt_tokens", "prompt tokens of finished requests")
         self.generation_tokens = counter("generation_tokens", "generated tokens")
         self.cached_tokens = counter("cached_tokens", "prompt tokens served from the radix cache")
@@ -146,6 +148,8 @@ class ServerMetrics:
         self.num_queue_reqs.labels(**self._label).set(info["num_waiting_reqs"])
         self.token_usage.labels(**self._label).set((total - unused) / total if total else 0.0)
         self.cache_hit_rate.labels(**self._label).set(info["cache_hit_rate"])
+        if "avg_spec_accept_length" in info:  # speculation on
+            self.spec_accept_length.labels(**self._label).set(info["avg_spec_accept_length"])
         for key, series in (("num_retractions", self.retracted), ("num_grammar_reqs", self.structured)):
             for step in self._advance(key, info.get(key)):
                 series.labels(**self._label).inc(step)

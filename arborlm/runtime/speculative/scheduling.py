@@ -61,7 +61,7 @@ class SpecStats:
             "spec_num_draft_tokens": self.num_draft_tokens,
             "spec_num_accepted_tokens": self.num_accepted_draft_tokens,
             "spec_accept_rate": rate,
-            "spec_accept_length": accept_length,
+            "avg_spec_accept_length": accept_length,  # SGLang's name
             "spec_num_skipped_batches": self.num_skipped_batches,
         }
 
