@@ -20,10 +20,12 @@ import torch
 
 from arborlm.constrained.base import allocate_vocab_mask, apply_vocab_mask
 from arborlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
+from arborlm.runtime.embedding import Embedder
 from arborlm.runtime.forward_batch_info import ForwardBatch, LogitsOutput
 from arborlm.runtime.io_struct import ModelInfo
 from arborlm.runtime.model_runner import ModelRunner
-from arborlm.runtime.sampling import Sampler, SamplingBatchInfo, compute_logprobs, make_generator
+from arborlm.runtime.pooling_config import read_pooling_config
+from arborlm.runtime.sampling import Sampler, SamplingInfoCache, compute_logprobs, make_generator
 from arborlm.runtime.schedule_batch import Req
 from arborlm.runtime.speculative.verify import DraftVerifier
 
@@ -97,6 +99,8 @@ class GenerationResult:
     invalid_rows: positions in `next_token_ids` whose logits or probabilities
         were not finite (NaN, inf, every token masked): the scheduler aborts
         those requests alone and ignores their token.
+    embeddings: an embedding server's step (`--is-embedding`): per request of the
+        batch, its pooled vector when this step ended its prompt, else None.
     """
 
     next_token_ids: list[int]
@@ -104,6 +108,7 @@ class GenerationResult:
     prompt_logprobs: list[PromptLogprobs | None]
     accept_lens: list[int] | None = None
     invalid_rows: tuple[int, ...] = ()
+    embeddings: list[list[float] | None] | None = None
 
 
 class Worker(Protocol):
@@ -195,8 +200,13 @@ class ModelWorker:
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.token_to_kv_pool_allocator = model_runner.token_to_kv_pool_allocator
         self.sampler = Sampler()
+        # The batch's sampling tensors, kept while the same requests decode on.
+        self.sampling_info_cache = SamplingInfoCache()
         self.grammar_masker = GrammarMasker()
         self.draft_verifier = DraftVerifier(self.sampler, self.model_info.vocab_size, self._eos_ids)
+        # --is-embedding: every step pools hidden states instead of sampling (`runtime/embedding.py`)
+        self.embedder = (Embedder(model_runner.model, read_pooling_config(model_runner.checkpoint))
+                         if model_runner.server_args.model.is_embedding else None)
 
     @property
     def mask_fill_seconds(self) -> deque[float]:
@@ -209,6 +219,8 @@ class ModelWorker:
         Raises whatever the model or the sampler raises; the step's K/V may
         then be partly written, and the scheduler frees its slots.
         """
+        if self.embedder is not None:
+            return self.embed(batch)
         logits_output = self.model_runner.forward(batch.forward_batch)
         if batch.draft_tokens is not None:
             return self.verify_drafts(batch, logits_output)
@@ -222,6 +234,19 @@ class ModelWorker:
         return GenerationResult(
             sampled.token_ids, sampled.logprob_infos, prompt_logprobs, invalid_rows=sampled.invalid_rows
         )
+
+    def embed(self, batch: ModelWorkerBatch) -> GenerationResult:
+        """An embedding server's step: no token sampled; the vector of each request whose prompt ends here.
+
+        Raises
+        ------
+        RuntimeError: a decode step (embedding requests are prefill-only; the front refuses others).
+        """
+        if not batch.forward_batch.forward_mode.is_extend():
+            raise RuntimeError("an embedding server runs extend steps only")
+        vectors = self.embedder.forward(batch.forward_batch, [r.rid for r in batch.reqs],
+                                        [len(r.origin_input_ids) for r in batch.reqs])
+        return GenerationResult([], [], [None] * len(batch.reqs), embeddings=vectors)
 
     def verify_drafts(self, batch: ModelWorkerBatch, logits_output: LogitsOutput) -> GenerationResult:
         """A speculative verify step: the target's tokens at every draft position, greedy
@@ -239,7 +264,7 @@ class ModelWorker:
                 req.generator = make_generator(req.seed, logits.device)
         self.grammar_masker.apply_grammar_masks(reqs, logits)
         params = [r.sampling_params for r in reqs]
-        info = SamplingBatchInfo.from_params(
+        info = self.sampling_info_cache.get(
             params, [r.seed for r in reqs], self.model_info.vocab_size, logits.device, [r.generator for r in reqs]
         )
         return_logprob = any(r.return_logprob for r in reqs)

