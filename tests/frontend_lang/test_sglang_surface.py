@@ -134,6 +134,9 @@ def test_calling_a_function_runs_it_and_nested_calls_share_the_state():
     state = qa(question="Why", backend=backend, temperature=0)
     assert state["answer"] == "A" and state.text() == "<u>Why?</u><a>A</a>"
     assert backend.calls[0]["sampling"] == {"temperature": 0, "max_new_tokens": 4}
+    qa(question="Why", backend=backend, return_logprob=True, top_logprobs_num=2, return_text_in_logprobs=None)
+    assert backend.calls[-1]["options"] == {"return_logprob": True, "top_logprobs_num": 2}  # request fields
+    assert backend.calls[-1]["sampling"] == {"max_new_tokens": 4}
     streamed = qa("How", backend=backend, stream=True)
     assert "".join(streamed.text_iter("answer")) == "A"
 
