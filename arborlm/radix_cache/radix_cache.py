@@ -38,6 +38,14 @@ def _empty_slots() -> torch.Tensor:
     return torch.empty((0,), dtype=torch.int64)
 
 
+def _head(slots: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    return None if slots is None else slots[:n]
+
+
+def _tail(slots: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    return None if slots is None else slots[n:]
+
+
 class TreeNode:
     """One edge of the radix tree and the node below it.
 
@@ -46,7 +54,10 @@ class TreeNode:
     children: child nodes keyed by their first token (first page tuple when paged).
     parent: the node above; None only for the root.
     key: token ids of this edge (empty only for the root).
-    value: (len(key),) int64 KV slots of those tokens.
+    value: (len(key),) int64 KV slots of those tokens; None while the node's KV is
+        only in the host tier (`HiRadixCache`).
+    host_value: (len(key),) int64 host-tier slots of those tokens, or None (only
+        `HiRadixCache` sets it; a node is in exactly one tier).
     lock_ref: how many running requests (or other holders) pin this node.
     last_access_time: a tick of the cache's monotonic clock, for LRU eviction.
     extra_key: the namespace of the path (a request's `cache_salt`); None for the
@@ -69,7 +80,8 @@ class TreeNode:
         self.children: dict[ChildKey, TreeNode] = {}
         self.parent = parent
         self.key = key
-        self.value = value
+        self.value: torch.Tensor | None = value
+        self.host_value: torch.Tensor | None = None
         self.lock_ref = lock_ref
         self.last_access_time = last_access_time
 
@@ -86,11 +98,16 @@ class MatchResult(NamedTuple):
     Attributes
     ----------
     device_indices: (n,) int64 KV slots of the matched prefix, n = matched tokens.
-    last_node: the deepest node matched (the root when nothing matched).
+    last_node: the deepest node matched on the device (the root when nothing matched).
+    last_host_node: the deepest node matched in the host tier below `last_node`
+        (`HiRadixCache`; None without a host hit).
+    host_hit_length: tokens matched in the host tier past `device_indices` (SGLang's name).
     """
 
     device_indices: torch.Tensor
     last_node: TreeNode
+    last_host_node: TreeNode | None = None
+    host_hit_length: int = 0
 
 
 class RadixCache:
@@ -263,17 +280,19 @@ class RadixCache:
         """
         upper = TreeNode(
             child.key[:split_len],
-            child.value[:split_len],
+            _head(child.value, split_len),
             child.parent,
             child.last_access_time,
             lock_ref=child.lock_ref,
             extra_key=child.extra_key,
         )
+        upper.host_value = _head(child.host_value, split_len)
         upper.children = {self._child_key(child.key[split_len:], child.extra_key): child}
         child.parent.children[self._child_key(upper.key, child.extra_key)] = upper
         child.parent = upper
         child.key = child.key[split_len:]
-        child.value = child.value[split_len:]
+        child.value = _tail(child.value, split_len)
+        child.host_value = _tail(child.host_value, split_len)
         return upper
 
     # ------------------------------------------------------------- requests
@@ -481,8 +500,10 @@ class RadixCache:
                 continue
             assert node.key, f"{node} has an empty key"
             assert len(node.key) % self.page_size == 0, f"{node} is not whole pages"
-            assert len(node.value) == len(node.key), f"{node}: value and key lengths differ"
             assert node.lock_ref >= 0, f"{node} has a negative lock_ref"
+            if node.value is None:  # in the host tier only (HiRadixCache checks it)
+                continue
+            assert len(node.value) == len(node.key), f"{node}: value and key lengths differ"
             if node.parent is not self.root:
                 assert node.lock_ref <= node.parent.lock_ref, f"{node} locked more than its parent"
             if node.lock_ref > 0:
@@ -503,8 +524,10 @@ class RadixCache:
 
         def visit(node: TreeNode, depth: int) -> None:
             for child in node.children.values():
+                where = "host" if child.value is None else "slots"
+                slots = child.host_value if child.value is None else child.value
                 lines.append(
-                    f"{'  ' * depth}{child.key} slots={child.value.tolist()} "
+                    f"{'  ' * depth}{child.key} {where}={slots.tolist()} "
                     f"lock={child.lock_ref} t={child.last_access_time}"
                 )
                 visit(child, depth + 1)

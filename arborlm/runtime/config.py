@@ -29,6 +29,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ATTENTION_BACKENDS = ATTENTION_BACKEND_NAMES  # one list, torch-free: runtime/layers/attention/names.py
 # SGLang's --kv-cache-dtype values served (radix_cache/memory_pool.py KV_CACHE_DTYPES); auto = dtype.
 KV_CACHE_DTYPE_NAMES = ("auto", "fp8_e5m2", "fp8_e4m3")
+# --hicache-storage-backend values served (the host tier in a memory-mapped file).
+HICACHE_STORAGE_BACKENDS = ("file",)
 # The longest the front waits for a scheduler reply (seconds): Prometheus's default scrape timeout.
 MAX_REPLY_TIMEOUT_S = 10.0
 
@@ -138,6 +140,22 @@ class CacheConfig:
         metadata={"help": "KV pool storage: auto (the model dtype) | fp8_e5m2 | fp8_e4m3 (one byte per value, "
                           "twice the tokens of bf16; attention reads it upcast)"},
     )
+    enable_hierarchical_cache: bool = field(
+        default=False,
+        metadata={"help": "keep radix nodes evicted from the KV pool in a host tier and load them back on a "
+                          "prefix hit instead of recomputing them (SGLang's HiCache)"},
+    )
+    hicache_ratio: float = field(
+        default=2.0, metadata={"help": "host tier size as a multiple of the KV pool's tokens"}
+    )
+    hicache_size: int = field(
+        default=0, metadata={"help": "host tier size in GB (10^9 bytes); overrides hicache_ratio when > 0"}
+    )
+    hicache_storage_backend: str | None = field(
+        default=None,
+        metadata={"help": "where the host tier lives: host memory when unset (pinned on CUDA) | file "
+                          "(a memory-mapped temporary file, which may be larger than RAM)"},
+    )
 
     def __post_init__(self):
         _check_types(self)
@@ -149,6 +167,12 @@ class CacheConfig:
         _check(self.page_size >= 1, "page_size", self.page_size, "an integer >= 1")
         _check(self.kv_cache_dtype in KV_CACHE_DTYPE_NAMES, "kv_cache_dtype", self.kv_cache_dtype,
                f"one of {KV_CACHE_DTYPE_NAMES}")
+        _check(self.hicache_ratio > 0, "hicache_ratio", self.hicache_ratio, "a value > 0")
+        _check(self.hicache_size >= 0, "hicache_size", self.hicache_size, "GB >= 0 (0: use hicache_ratio)")
+        _check(self.hicache_storage_backend in (None, *HICACHE_STORAGE_BACKENDS), "hicache_storage_backend",
+               self.hicache_storage_backend, f"unset or one of {HICACHE_STORAGE_BACKENDS}")
+        _check(not (self.enable_hierarchical_cache and self.disable_radix_cache), "enable_hierarchical_cache",
+               self.enable_hierarchical_cache, "False when disable_radix_cache is set (the tiers hold radix nodes)")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,10 @@ cached prefix and give it a row at admission, to share freshly prefilled KV
 leaves (`release_req`). When the next step does not fit, `retract_decode`
 releases the youngest requests and returns them; the scheduler puts them back
 in its waiting queue. It sits below the scheduler and never touches its queues.
+
+With `enable_hierarchical_cache` the cache is a `HiRadixCache`: evicted nodes go
+to a host tier (`make_host_pool` sizes it) and `load_back` copies a request's
+host-tier prefix back into the pool when it is admitted.
 """
 
 from __future__ import annotations
@@ -17,12 +21,32 @@ from dataclasses import dataclass
 
 import torch
 
-from arborlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+from arborlm.radix_cache.hiradix_cache import HiRadixCache
+from arborlm.radix_cache.host_pool import HostKVPool
+from arborlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from arborlm.radix_cache.radix_cache import MatchResult, RadixCache
+from arborlm.runtime.config import CacheConfig
 from arborlm.runtime.schedule_batch import Req
 
 # Decode steps of headroom assumed per remaining request when raising the ratio (SGLang's value).
 RETRACT_DECODE_STEPS = 20
+
+
+def make_host_pool(cache: CacheConfig, kv_pool: TokenToKVPool) -> HostKVPool | None:
+    """The host tier `cache` asks for beside `kv_pool` (None unless `enable_hierarchical_cache`).
+
+    Sized as SGLang sizes it: `hicache_size` GB (10^9 bytes) of K/V when set, else
+    `hicache_ratio` times the device pool's tokens; at least one token.
+    """
+    if not cache.enable_hierarchical_cache:
+        return None
+    if cache.hicache_size > 0:
+        per_token = TokenToKVPool.bytes_per_token(kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim,
+                                                  kv_pool.dtype)
+        size = int(cache.hicache_size * 10**9 // per_token)
+    else:
+        size = int(kv_pool.size * cache.hicache_ratio)
+    return HostKVPool.for_device_pool(kv_pool, max(1, size), cache.hicache_storage_backend)
 
 
 def step_tokens(reqs: list[Req]) -> int:
@@ -56,6 +80,8 @@ class KVManager:
     req_to_token_pool: one row of KV slot indices per admitted request.
     allocator: the free list of KV slots.
     page_size, disable_radix_cache: radix cache settings (`CacheConfig`).
+    host_pool, kv_pool: a host tier and the device K/V buffers; with both the cache is
+        a `HiRadixCache` over the two (see `make_host_pool`).
 
     Every slot is at all times free, owned by the cache, or owned by exactly one
     live request (positions `[len(prefix_indices), kv_len)` of its row);
@@ -63,10 +89,14 @@ class KVManager:
     """
 
     def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenToKVPoolAllocator, page_size: int = 1,
-                 disable_radix_cache: bool = False):
+                 disable_radix_cache: bool = False, host_pool: HostKVPool | None = None,
+                 kv_pool: TokenToKVPool | None = None):
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
-        self.tree_cache = RadixCache(allocator, page_size=page_size, disable=disable_radix_cache)
+        if host_pool is not None and kv_pool is not None and not disable_radix_cache:
+            self.tree_cache: RadixCache = HiRadixCache(allocator, kv_pool, host_pool, page_size=page_size)
+        else:
+            self.tree_cache = RadixCache(allocator, page_size=page_size, disable=disable_radix_cache)
 
     # ---- budgets ------------------------------------------------------------
 
@@ -82,6 +112,24 @@ class KVManager:
     def match_prefix(self, req: Req) -> MatchResult:
         """The cached KV of `req.prefix_match_key()` in the request's cache namespace."""
         return self.tree_cache.match_prefix(req.prefix_match_key(), req.cache_salt)
+
+    def load_back(self, req: Req, match: MatchResult | None = None) -> tuple[MatchResult, int]:
+        """The prefix `req` is admitted with, its host-tier part copied back into the pool.
+
+        Without a host tier this is `match` (or a fresh `match_prefix`). With one,
+        `req` is matched again (an earlier admission of this step may have evicted
+        part of `match`) and the host part loaded (`HiRadixCache.load_back`).
+
+        Returns
+        -------
+        tuple[MatchResult, int]
+            The device-resident match, and how many of its tokens came from the host tier.
+        """
+        if not isinstance(self.tree_cache, HiRadixCache):
+            return (match if match is not None else self.match_prefix(req)), 0
+        fresh = self.match_prefix(req)
+        loaded = self.tree_cache.load_back(fresh)
+        return loaded, len(loaded.device_indices) - len(fresh.device_indices)
 
     def lock_prefix(self, match: MatchResult) -> int:
         """Lock a matched prefix so eviction cannot take it while a request reads it.
@@ -163,7 +211,7 @@ class KVManager:
         req.req_pool_idx = None
 
     def flush_cache(self) -> None:
-        """Empty the radix cache (the caller makes sure no request is alive)."""
+        """Empty the radix cache, host tier included (the caller makes sure no request is alive)."""
         self.tree_cache.reset()
 
     # ---- retraction ---------------------------------------------------------
@@ -216,6 +264,7 @@ class KVManager:
             "evictable_kv_tokens": self.tree_cache.evictable_size(),
             "free_req_rows": self.req_to_token_pool.available_size(),
             "total_req_rows": self.req_to_token_pool.size,
+            **(self.tree_cache.info() if isinstance(self.tree_cache, HiRadixCache) else {}),
         }
 
     def check_invariants(self, alive: list[Req]) -> None:

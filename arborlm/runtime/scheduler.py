@@ -36,7 +36,7 @@ from arborlm.runtime.io_struct import (
     ReqOutput,
     TokenizedGenerateReqInput,
 )
-from arborlm.runtime.kv_manager import KVManager, step_tokens
+from arborlm.runtime.kv_manager import KVManager, make_host_pool, step_tokens
 from arborlm.runtime.model_runner import ModelRunner
 from arborlm.runtime.model_worker import GenerationResult, ModelWorker, ModelWorkerBatch, Worker
 from arborlm.runtime.schedule_batch import Req, ScheduleBatch
@@ -85,7 +85,8 @@ class Scheduler:
         self.model_info = worker.model_info
         cache = server_args.cache
         self.kv = KVManager(
-            worker.req_to_token_pool, worker.token_to_kv_pool_allocator, cache.page_size, cache.disable_radix_cache
+            worker.req_to_token_pool, worker.token_to_kv_pool_allocator, cache.page_size, cache.disable_radix_cache,
+            host_pool=make_host_pool(cache, worker.token_to_kv_pool), kv_pool=worker.token_to_kv_pool,
         )
         sched = server_args.scheduler
         self.policy = SchedulePolicy(sched.schedule_policy, self.kv.tree_cache)
@@ -106,6 +107,7 @@ class Scheduler:
         self.stats = {
             "num_prompt_tokens": 0,
             "num_cached_tokens": 0,
+            "num_host_cached_tokens": 0,  # the part of num_cached_tokens loaded back from the host tier
             "num_prefill_tokens_computed": 0,
             "num_generated_tokens": 0,
             "num_retractions": 0,
@@ -364,8 +366,7 @@ class Scheduler:
     def _admit(self, req: Req, adder: PrefillAdder, match: MatchResult | None, nothing_running: bool) -> bool:
         """Lock the cached prefix (`match`, or a fresh one) and try to add `req`
         (`nothing_running`: no other request runs in this step)."""
-        if match is None:
-            match = self.kv.match_prefix(req)
+        match, host_hit_len = self.kv.load_back(req, match)
         prefix_len = len(match.device_indices)
         adder.rem_total_tokens -= self.kv.lock_prefix(match)
         if not adder.add_one_req(req, prefix_len, nothing_running=nothing_running):
@@ -379,6 +380,7 @@ class Scheduler:
             req.cached_tokens = prefix_len
             self.stats["num_prompt_tokens"] += len(req.origin_input_ids)
             self.stats["num_cached_tokens"] += prefix_len
+            self.stats["num_host_cached_tokens"] += host_hit_len
         req.admitted_time = time.monotonic()
         return True
 
@@ -605,6 +607,9 @@ class Scheduler:
             "max_total_tokens": self.model_info.max_total_tokens,
             **self.kv.usage(),
             "cache_hit_rate": self.stats["num_cached_tokens"] / prompt if prompt else 0.0,
+            "device_cache_hit_rate": (self.stats["num_cached_tokens"] - self.stats["num_host_cached_tokens"]) / prompt
+            if prompt else 0.0,
+            "host_cache_hit_rate": self.stats["num_host_cached_tokens"] / prompt if prompt else 0.0,
             "new_token_ratio": self.new_token_ratio,
             **(self.speculator.stats.as_dict() if self.speculator is not None else {}),
         }
