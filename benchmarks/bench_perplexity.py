@@ -1,0 +1,139 @@
+"""Perplexity of the default model under each weight and KV format, one process, one text.
+
+The text is `benchmarks/data/perplexity_text.txt` (an essay written for this
+benchmark, ~2.4k tokens). It is cut into windows of `--window` tokens; each window
+is one prefill through the model runner (the serving path: its pools, its
+attention backend, its kernels) and scores every token after the first. Perplexity
+is exp(mean negative log-likelihood) over all scored tokens.
+
+Variants (bf16 activations throughout):
+
+- `none`: the default GGUF file dequantized to bf16, the reference;
+- `gguf`: the file served as stored (its Q4_1 and Q8_0 tensors);
+- `gguf-q8_0`, `gguf-q4_0`, `gguf-q4_1`: every linear layer of the dequantized
+  model quantized again to that ggml type (`gguf.quants.quantize`) and served by
+  the same kernels, the embedding table kept bf16 (gguf's Python package has no
+  K-quant quantizer, so Q4_K / Q5_K / Q6_K are not in the table);
+- `int8`: `--quantization int8` (per-channel weight-only int8);
+- `kv-fp8_e4m3`, `kv-fp8_e5m2`: bf16 weights, the KV pool in fp8.
+
+    .venv/bin/python benchmarks/bench_perplexity.py [--window 512] [--variants none gguf int8]
+
+Prints a markdown table: perplexity, its ratio to `none`, and tokens scored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from arborlm.runtime.config import ServerArgs  # noqa: E402
+from arborlm.runtime.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
+from arborlm.runtime.model_runner import ModelRunner  # noqa: E402
+
+TEXT = Path(__file__).parent / "data" / "perplexity_text.txt"
+REQUANTIZED = ("q8_0", "q4_0", "q4_1")
+VARIANTS = ("none", "gguf", *(f"gguf-{f}" for f in REQUANTIZED), "int8", "kv-fp8_e4m3", "kv-fp8_e5m2")
+
+
+def runner_for(variant: str, model: str | None) -> ModelRunner:
+    """A model runner for `variant` (module docstring), bf16, a small KV pool."""
+    kwargs = dict(model_path=model, dtype="bfloat16", max_total_tokens=4096, log_level="warning")
+    if variant.startswith("kv-"):
+        kwargs.update(quantization="none", kv_cache_dtype=variant.removeprefix("kv-"))
+    elif variant in ("none", "gguf", "int8"):
+        kwargs.update(quantization=variant)
+    else:
+        kwargs.update(quantization="none")
+    runner = ModelRunner(ServerArgs.from_kwargs(**kwargs))
+    if variant.startswith("gguf-"):
+        requantize_linears(runner.model, variant.removeprefix("gguf-"))
+    return runner
+
+
+def requantize_linears(model: torch.nn.Module, fmt: str) -> None:
+    """Every `Linear` of `model` quantized to ggml type `fmt` and served by the quantized kernels."""
+    import gguf
+
+    from arborlm.kernels.quant_layout import pack_ggml_blocks
+    from arborlm.kernels.quant_ops import quant_ops
+    from arborlm.runtime.layers.linear import Linear
+    from arborlm.runtime.layers.quantization.quant_linear import WHOLE, QuantizedLinear
+
+    ops = quant_ops("cpu")
+    qtype = getattr(gguf.GGMLQuantizationType, fmt.upper())
+    for path, module in list(model.named_modules()):
+        if isinstance(module, Linear):
+            raw = gguf.quants.quantize(module.weight.detach().float().numpy(), qtype)
+            layer = QuantizedLinear.replacing(module, ops, whole=True)
+            layer.load_shard(WHOLE, pack_ggml_blocks(fmt, torch.from_numpy(raw), module.weight.shape[1]), path)
+            if module.bias is not None:
+                layer.load_bias(WHOLE, module.bias.detach(), f"{path}.bias")
+            layer.finish(path)
+            model.set_submodule(path, layer)
+
+
+def window_nll(runner: ModelRunner, ids: list[int]) -> float:
+    """Summed negative log-likelihood (nats) of ids[1:] given the tokens before, one prefill."""
+    (row,) = runner.req_to_token_pool.alloc(1)
+    loc = runner.token_to_kv_pool_allocator.alloc(len(ids))
+    try:
+        runner.req_to_token_pool.req_to_token[row, :len(ids)] = loc.to(torch.int32)
+        batch = ForwardBatch.build(
+            ForwardMode.EXTEND, ids, [row], [0], [len(ids)], loc, runner.req_to_token_pool,
+            runner.token_to_kv_pool, return_full_logits=True,
+        )
+        logits = runner.forward(batch).full_logits.float()
+        return float(F.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="sum"))
+    finally:
+        runner.req_to_token_pool.free(row)
+        runner.token_to_kv_pool_allocator.free(loc)
+
+
+def perplexity(runner: ModelRunner, windows: list[list[int]]) -> tuple[float, int]:
+    """(perplexity, tokens scored) over the windows."""
+    nll = sum(window_nll(runner, w) for w in windows)
+    scored = sum(len(w) - 1 for w in windows)
+    return math.exp(nll / scored), scored
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a GGUF file; default SmolLM2-135M-Instruct (Q4_1)")
+    parser.add_argument("--window", type=int, default=512, help="tokens per prefill window")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    args = parser.parse_args()
+    if "none" not in args.variants:
+        args.variants.insert(0, "none")
+
+    from transformers import AutoTokenizer
+
+    results = {}
+    windows = None
+    for variant in args.variants:
+        start = time.perf_counter()
+        runner = runner_for(variant, args.model)
+        if windows is None:
+            tokenizer = AutoTokenizer.from_pretrained(str(runner.checkpoint))
+            ids = tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
+            windows = [ids[i:i + args.window] for i in range(0, len(ids), args.window) if len(ids[i:i + args.window]) > 1]
+        results[variant] = perplexity(runner, windows)
+        print(f"{variant}: perplexity {results[variant][0]:.4f} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+        del runner
+    base = results["none"][0]
+    print(f"| variant | perplexity | / none | tokens scored |  (window {args.window}, {TEXT.name})")
+    print("|---|---:|---:|---:|")
+    for variant, (ppl, scored) in results.items():
+        print(f"| {variant} | {ppl:.3f} | {ppl / base:.4f} | {scored} |")
+
+
+if __name__ == "__main__":
+    main()
