@@ -63,6 +63,11 @@ from arborlm.entrypoints.openai.tool_calls import (
     tool_finish_reason,
     tool_message,
 )
+from arborlm.entrypoints.openai.tool_markers import (
+    MarkerContinuation,
+    run_continued,
+    stream_continued,
+)
 from arborlm.entrypoints.openai.tool_parsers.base import ToolCallParser
 from arborlm.entrypoints.openai.tool_parsers.registry import tool_call_format
 from arborlm.entrypoints.request_builder import build_batch
@@ -133,6 +138,11 @@ async def chat_completions(request: Request) -> Response:
     mode = reasoning_mode(chat.reasoning_parser, rendered.text)
     params = add_tool_grammar(sampling_params(req, max_new_tokens(limit, len(input_ids), context, limit_param)), plan)
     params = _constrain_after_reasoning(params, mode)
+    # Calls opened by a special token (Mistral's [TOOL_CALLS]) go on after it (tool_markers.py).
+    markers = MarkerContinuation.of(plan, state.tokenizer)
+    user_stops = list(params.get("stop_token_ids") or [])
+    if markers is not None:
+        params = markers.first_params(params)
     reqs = [
         GenerateReqInput(input_ids=input_ids, sampling_params=seeded(params, i), return_logprob=req.logprobs,
                          top_logprobs_num=req.top_logprobs or 0, stream=req.stream,
@@ -146,9 +156,13 @@ async def chat_completions(request: Request) -> Response:
     with openai_errors(field_names(req)):
         built = await build_batch(manager, reqs, OPENAI_RULES)
         if req.stream:
-            chunks = await cancel_on_disconnect(request, primed(stream_all(manager, built)))
+            stream = (stream_all(manager, built) if markers is None
+                      else stream_continued(manager, built, reqs, markers, user_stops))
+            chunks = await cancel_on_disconnect(request, primed(stream))
             return sse_response(_stream(call, chunks))
-        results = await cancel_on_disconnect(request, run_all(manager, built))
+        results = await cancel_on_disconnect(
+            request, run_all(manager, built) if markers is None else run_continued(manager, built, reqs, markers,
+                                                                                   user_stops))
     return JSONResponse(_answer(call, results))
 
 

@@ -180,6 +180,25 @@ class ToolCallFormat(ABC):
     instructions: ClassVar[str] = ""
     """How to call, for the system prompt of a template without tool support (after the tools)."""
 
+    def marker_texts(self) -> tuple[str, ...]:
+        """Markers that open calls and that a family's tokenizer holds as one special token
+        (Mistral's `[TOOL_CALLS]`, Llama 3's `<|python_tag|>`); none by default.
+
+        A grammar never writes a special token as text, so in ``auto`` such a token ends
+        the free text as a stop token and the calls that follow it are a second, forced
+        generation (`tool_markers.py`), constrained by `after_marker_tag`.
+        """
+        return ()
+
+    def after_marker_tag(self, functions: Sequence[FunctionSpec], parallel: bool) -> dict[str, Any]:
+        """The grammar of what follows a marker of `marker_texts` (the calls, without the marker).
+
+        Raises
+        ------
+        NotImplementedError: for a format without special-token markers.
+        """
+        raise NotImplementedError(f"the {self.name} format has no special-token markers")
+
 
 def parse_whole(fmt: ToolCallFormat, text: str, names: Sequence[str]) -> ToolCallParser:
     """The whole output parsed at once (the parser, for its `content` and `calls`)."""

@@ -76,6 +76,15 @@ class Llama3Format(ToolCallFormat):
         triggers = [PYTHON_TAG, CALL_TRIGGER] if self.python_tag else [CALL_TRIGGER]
         return standalone_calls_tag(tags, triggers, CALL_SEPARATOR, choice, parallel, named)
 
+    def marker_texts(self) -> tuple[str, ...]:
+        """`<|python_tag|>`: a special token of every Llama 3.x tokenizer."""
+        return (PYTHON_TAG,)
+
+    def after_marker_tag(self, functions: Sequence[FunctionSpec], parallel: bool) -> dict[str, Any]:
+        """The calls that follow the `<|python_tag|>` token: JSON calls separated by ``; ``."""
+        tags = {f.name: [call_tag(call_begin(f.name), f.schema, CALL_END)] for f in functions}
+        return standalone_calls_tag(tags, [CALL_TRIGGER], CALL_SEPARATOR, "required", parallel, None)
+
     def new_parser(self, names: Sequence[str]) -> ToolCallParser:
         """See `ToolCallFormat.new_parser`."""
         return JsonCallParser(SYNTAX)

@@ -73,13 +73,19 @@ class MistralFormat(ToolCallFormat):
         if choice == "named":
             schema = next(f.schema for f in functions if f.name == named)
             return call_tag(LIST_BEGIN + call_begin(named), schema, CALL_END + LIST_END)
-        items = {"type": "tags_with_separator", "tags": [call_tag(call_begin(f.name), f.schema, CALL_END)
-                                                         for f in functions],
-                 "separator": CALL_SEPARATOR, "at_least_one": True, "stop_after_first": not parallel}
-        calls = {"type": "tag", "begin": LIST_BEGIN, "content": items, "end": LIST_END}
+        calls = {"type": "tag", "begin": LIST_BEGIN, "content": _items(functions, parallel), "end": LIST_END}
         if choice == "required":
             return calls
         return {"type": "triggered_tags", "triggers": [CALL_TRIGGER], "tags": [calls], "stop_after_first": True}
+
+    def marker_texts(self) -> tuple[str, ...]:
+        """`[TOOL_CALLS]`: a control token of Mistral v0.3's and Mixtral 8x22B's tokenizers."""
+        return (CALL_TRIGGER,)
+
+    def after_marker_tag(self, functions: Sequence[FunctionSpec], parallel: bool) -> dict[str, Any]:
+        """The list that follows the `[TOOL_CALLS]` token: ` [` calls `]`."""
+        return {"type": "tag", "begin": LIST_BEGIN.removeprefix(CALL_TRIGGER), "content": _items(functions, parallel),
+                "end": LIST_END}
 
     def new_parser(self, names: Sequence[str]) -> ToolCallParser:
         """See `ToolCallFormat.new_parser`."""
@@ -93,3 +99,9 @@ class MistralFormat(ToolCallFormat):
     def renders_natively(self, template: str) -> bool:
         """True for templates that write `[TOOL_CALLS]` (Mistral v0.3, Mixtral 8x22B)."""
         return CALL_TRIGGER in template
+
+
+def _items(functions: Sequence[FunctionSpec], parallel: bool) -> dict[str, Any]:
+    """The list's items: calls of the offered functions, at least one (one only unless `parallel`)."""
+    return {"type": "tags_with_separator", "tags": [call_tag(call_begin(f.name), f.schema, CALL_END) for f in functions],
+            "separator": CALL_SEPARATOR, "at_least_one": True, "stop_after_first": not parallel}
