@@ -44,9 +44,9 @@ REQUANTIZED = ("q8_0", "q4_0", "q4_1")
 VARIANTS = ("none", "gguf", *(f"gguf-{f}" for f in REQUANTIZED), "int8", "kv-fp8_e4m3", "kv-fp8_e5m2")
 
 
-def runner_for(variant: str, model: str | None) -> ModelRunner:
-    """A model runner for `variant` (module docstring), bf16, a small KV pool."""
-    kwargs = dict(model_path=model, dtype="bfloat16", max_total_tokens=4096, log_level="warning")
+def runner_for(variant: str, model: str | None, dtype: str = "bfloat16") -> ModelRunner:
+    """A model runner for `variant` (module docstring), a small KV pool."""
+    kwargs = dict(model_path=model, dtype=dtype, max_total_tokens=4096, log_level="warning")
     if variant.startswith("kv-"):
         kwargs.update(quantization="none", kv_cache_dtype=variant.removeprefix("kv-"))
     elif variant in ("none", "gguf", "int8"):

@@ -1,0 +1,46 @@
+"""benchmarks/bench_perplexity.py on a tiny random Llama: its windowed perplexity through the model
+runner is transformers' exp(cross-entropy) on the same windows, and its re-quantized variant
+serves every linear layer from packed ggml blocks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("gguf")
+
+from arborlm.runtime.layers.linear import Linear  # noqa: E402
+from arborlm.runtime.layers.quantization.quant_linear import QuantizedLinear  # noqa: E402
+from benchmarks import bench_perplexity  # noqa: E402
+from tests.runtime.family_helpers import tiny_checkpoint  # noqa: E402
+
+WINDOWS = [[5, 17, 99, 3, 250, 8, 41, 77, 12, 6], [200, 1, 2, 64, 9], [7, 7]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ppl_llama")
+    return folder, tiny_checkpoint(folder, "llama")
+
+
+def test_perplexity_is_exp_cross_entropy(tiny):
+    folder, reference = tiny
+    ppl, scored = bench_perplexity.perplexity(bench_perplexity.runner_for("none", str(folder), "float32"), WINDOWS)
+    with torch.no_grad():
+        nll = sum(float(F.cross_entropy(reference(torch.tensor([w])).logits[0, :-1], torch.tensor(w[1:]),
+                                        reduction="sum")) for w in WINDOWS)
+    assert scored == sum(len(w) - 1 for w in WINDOWS)
+    assert ppl == pytest.approx(math.exp(nll / scored), rel=1e-4)
+
+
+def test_requantized_variant_serves_packed_blocks(tiny):
+    folder, _ = tiny
+    runner = bench_perplexity.runner_for("gguf-q8_0", str(folder), "float32")
+    assert not any(isinstance(m, Linear) for m in runner.model.modules())
+    assert {w.fmt for m in runner.model.modules() if isinstance(m, QuantizedLinear) for w in m.weights} == {"q8_0"}
+    plain = bench_perplexity.runner_for("none", str(folder), "float32")
+    q8, base = (bench_perplexity.perplexity(r, WINDOWS)[0] for r in (runner, plain))
+    assert q8 == pytest.approx(base, rel=0.01) and q8 != base
