@@ -16,7 +16,9 @@ Series (the counters end in ``_total`` in the exposition):
 num_running_reqs, num_queue_reqs, token_usage, cache_hit_rate (gauges);
 prompt_tokens, generation_tokens, cached_tokens, num_requests (by
 finish_reason), num_aborted_requests, num_retracted_requests, num_so_requests
-(counters); time_to_first_token_seconds, inter_token_latency_seconds,
+(counters); with the host KV tier (`--enable-hierarchical-cache`) also
+device_cache_hit_rate, host_cache_hit_rate, hicache_host_token_usage (gauges)
+and hicache_loaded_back_tokens (counter); time_to_first_token_seconds, inter_token_latency_seconds,
 time_per_output_token_seconds (per request: (E2E - TTFT) / (output tokens - 1)),
 queue_time_seconds (scheduler arrival to first admission), e2e_request_latency_seconds
 (histograms).
@@ -87,6 +89,13 @@ class ServerMetrics:
         self.num_queue_reqs = gauge("num_queue_reqs", "requests waiting to be scheduled (incl. grammar compiling)")
         self.token_usage = gauge("token_usage", "fraction of KV slots held by requests (free and evictable cache slots excluded)")
         self.cache_hit_rate = gauge("cache_hit_rate", "cached prompt tokens / prompt tokens since start")
+        self.device_cache_hit_rate = gauge("device_cache_hit_rate",
+                                           "prompt tokens found in the device KV pool / prompt tokens")
+        self.host_cache_hit_rate = gauge("host_cache_hit_rate",
+                                         "prompt tokens loaded back from the host KV tier / prompt tokens")
+        self.hicache_host_token_usage = gauge("hicache_host_token_usage", "fraction of host-tier KV slots held")
+        self.hicache_loaded_back = counter("hicache_loaded_back_tokens",
+                                           "tokens copied from the host KV tier back into the device pool")
         self.spec_accept_length = gauge("spec_accept_length",
                                         "speculative decoding: mean tokens emitted per request and verify step")
         self.prompt_tokens = counter("prompt_tokens", "prompt tokens of finished requests")
@@ -107,7 +116,7 @@ class ServerMetrics:
         for series in (self.aborted, self.retracted, self.structured, self.tpot, self.queue_time):
             series.labels(**self._label)  # exported (as 0) before the first event
         # the scheduler's running totals already counted (its counters are read at scrape time)
-        self._seen = {"num_retractions": 0, "num_grammar_reqs": 0}
+        self._seen = {"num_retractions": 0, "num_grammar_reqs": 0, "hicache_loaded_back_tokens": 0}
 
     # ---- OutputObserver ------------------------------------------------------
 
@@ -148,11 +157,23 @@ class ServerMetrics:
         self.num_queue_reqs.labels(**self._label).set(info["num_waiting_reqs"])
         self.token_usage.labels(**self._label).set((total - unused) / total if total else 0.0)
         self.cache_hit_rate.labels(**self._label).set(info["cache_hit_rate"])
+        self._update_hicache(info)
         if "avg_spec_accept_length" in info:  # speculation on
             self.spec_accept_length.labels(**self._label).set(info["avg_spec_accept_length"])
         for key, series in (("num_retractions", self.retracted), ("num_grammar_reqs", self.structured)):
             for step in self._advance(key, info.get(key)):
                 series.labels(**self._label).inc(step)
+
+    def _update_hicache(self, info: dict[str, Any]) -> None:
+        """The host KV tier's series, when the scheduler has one (`hicache_*` figures)."""
+        if "hicache_host_total_tokens" not in info:
+            return
+        self.device_cache_hit_rate.labels(**self._label).set(info["device_cache_hit_rate"])
+        self.host_cache_hit_rate.labels(**self._label).set(info["host_cache_hit_rate"])
+        host_total = info["hicache_host_total_tokens"]
+        self.hicache_host_token_usage.labels(**self._label).set(info["hicache_host_used_tokens"] / host_total)
+        for step in self._advance("hicache_loaded_back_tokens", info["hicache_loaded_back_tokens"]):
+            self.hicache_loaded_back.labels(**self._label).inc(step)
 
     def _advance(self, key: str, total: int | None) -> Iterator[int]:
         """The rise of a scheduler total since the last scrape (nothing when it is absent or fell)."""

@@ -363,9 +363,7 @@ class HiRadixCache(RadixCache):
         )
 
     def info(self) -> dict[str, int]:
-        """Host-tier figures for /get_server_info (tokens)."""
-        return {
-            "hicache_host_total_tokens": self.host_pool.size,
-            "hicache_host_used_tokens": self._host_size,
-            **asdict(self.stats),
-        }
+        """Host-tier figures for /get_server_info, in tokens: hicache_host_total_tokens,
+        hicache_host_used_tokens, and each `HiCacheStats` total as hicache_<name> without num_."""
+        stats = {f"hicache_{name.removeprefix('num_')}": value for name, value in asdict(self.stats).items()}
+        return {"hicache_host_total_tokens": self.host_pool.size, "hicache_host_used_tokens": self._host_size, **stats}
