@@ -12,7 +12,9 @@ these ops with the weights `quant_layout.pack_ggml_blocks` packed at load:
 - `embedding`: dequantizes only the looked-up rows.
 
 `QuantOps` is the same interface in torch (`quant_reference.py`): the fallback
-where the library cannot be built, and the oracle. The library is compiled like
+where the library cannot be built, and the oracle. On CUDA, `TritonQuantOps` runs
+the Q8_0 / Q4_0 / Q4_1 linears through `triton_quant_linear.py` (dequantized in
+the kernel) and the rest the torch way. The library is compiled like
 `cpu_ops`'s (`g++ -O3 -march=native -fopenmp`, keyed by source, flags and CPU;
 its AVX-512 VNNI loops where the compiler targets them, scalar loops elsewhere)
 and called through ctypes.
@@ -200,6 +202,21 @@ class NativeQuantOps(QuantOps):
             raise ValueError(f"arborlm_quant_dequantize failed ({status}) for format {w.fmt}")
 
 
+class TritonQuantOps(QuantOps):
+    """`QuantOps` with the linears of the formats `triton_quant_linear.TRITON_FORMATS`
+    covers through the Triton GEMM (CUDA, or the CPU under `TRITON_INTERPRET=1`);
+    other formats and the embedding take the torch path."""
+
+    def linear(self, x, weights, bias=None):
+        from arborlm.kernels import triton_quant_linear
+
+        if x.dim() != 2 or x.stride(1) != 1 or any(w.fmt not in triton_quant_linear.TRITON_FORMATS for w in weights):
+            return super().linear(x, weights, bias)
+        outs = [triton_quant_linear.quant_linear(x, w) for w in weights]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return out if bias is None else out + bias
+
+
 def _array_pointers(w: QuantWeight) -> list[int]:
     """The addresses of w's six arrays in the kernels' order (0 where the format has none)."""
     return [0 if t is None else t.data_ptr() for t in w.arrays().values()]
@@ -207,9 +224,15 @@ def _array_pointers(w: QuantWeight) -> list[int]:
 
 def quant_ops(device: torch.device | str, native: bool = True) -> QuantOps:
     """The quantized ops for `device`: the C++ kernels on the CPU when `native` and they
-    build here, else torch."""
+    build here, the Triton GEMM on CUDA when `native` and Triton imports, else torch."""
     if native and torch.device(device).type == "cpu":
         lib = native_library()
         if lib is not None:
             return NativeQuantOps(lib)
+    if native and torch.device(device).type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return QuantOps()
+        return TritonQuantOps()
     return QuantOps()
