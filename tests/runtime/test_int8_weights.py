@@ -73,3 +73,18 @@ def test_int8_loads_float_weights_and_bad_values_are_refused(llama_dir):
     with pytest.raises(ValueError, match="quantization"):
         ModelConfig(quantization="int4")
     ModelConfig(model_path=str(llama_dir), quantization="int8")  # accepted for a checkpoint folder
+
+
+def test_moe_experts_are_int8_too(tmp_path):
+    from arborlm.runtime.layers.moe import FusedMoE
+    from arborlm.runtime.layers.quantization.quant_moe import QuantizedFusedMoE
+
+    tiny_checkpoint(tmp_path, "qwen3_moe", num_experts=4, num_experts_per_tok=2, head_dim=16,
+                    moe_intermediate_size=64, norm_topk_prob=True)
+    quantized = load_model(tmp_path, torch.float32, CPU, cpu_kernels=False, quantization="int8")
+    assert not any(isinstance(m, FusedMoE) for m in quantized.model.modules())
+    experts = quantized.model.model.layers[0].mlp.experts
+    assert isinstance(experts, QuantizedFusedMoE) and experts.down[0][0].fmt == "q8_0"
+    plain = load_model(tmp_path, torch.float32, CPU, cpu_kernels=False)
+    q, p = prompt_logits(quantized), prompt_logits(plain)
+    assert 0 < float((q - p).norm() / p.norm()) < 0.02

@@ -7,9 +7,10 @@ symmetrically per output channel (`kernels/quant_layout.quantize_per_channel_int
 torchao's `Int8WeightOnlyConfig` scheme, SGLang's `--torchao-config int8wo`) and
 packed as Q8_0 tiles, so the int8 VNNI kernels of `kernels/quant_ops.py` serve it:
 decode steps take int8 dot products with activations rounded per block of 32,
-prefills dequantize to the activations' dtype and run one GEMM. The MoE experts
-(`FusedMoE`) and layers whose input width is not a multiple of 32 stay in float
-(logged).
+prefills dequantize to the activations' dtype and run one GEMM. A MoE block's
+experts (`FusedMoE`) become a `QuantizedFusedMoE`, each expert's gate, up and down
+quantized the same way. Layers whose input width is not a multiple of 32 stay in
+float (logged).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from torch import nn
 from arborlm.kernels.quant_layout import pack_int8_per_channel
 from arborlm.kernels.quant_ops import QuantOps
 from arborlm.runtime.layers.linear import Linear
+from arborlm.runtime.layers.moe import DOWN, GATE, UP, FusedMoE
 from arborlm.runtime.layers.quantization.quant_linear import WHOLE, QuantizedLinear
+from arborlm.runtime.layers.quantization.quant_moe import QuantizedFusedMoE
 
 logger = logging.getLogger(__name__)
 INT8_BLOCK = 32  # the kernels' block of input values
@@ -50,6 +53,9 @@ def quantize_linears_int8(model: nn.Module, ops: QuantOps) -> Int8Report:
     """
     report = Int8Report()
     for path, module in list(model.named_modules()):
+        if isinstance(module, FusedMoE):
+            _quantize_experts(model, path, module, ops, report)
+            continue
         if not isinstance(module, Linear):
             continue
         if module.weight.shape[1] % INT8_BLOCK:
@@ -67,3 +73,18 @@ def quantize_linears_int8(model: nn.Module, ops: QuantOps) -> Int8Report:
                        len(report.kept_float), INT8_BLOCK, ", ".join(report.kept_float[:4]))
     logger.info("int8 weights: %d linear layers quantized per channel", len(report.quantized))
     return report
+
+
+def _quantize_experts(model: nn.Module, path: str, experts: FusedMoE, ops: QuantOps, report: Int8Report) -> None:
+    """`experts` replaced by a `QuantizedFusedMoE` of per-channel int8 expert weights."""
+    hidden, inter = experts.down_proj.shape[1], experts.intermediate_size
+    if hidden % INT8_BLOCK or inter % INT8_BLOCK:
+        report.kept_float.append(path)
+        return
+    layer = QuantizedFusedMoE.replacing(experts, ops)
+    gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+    for shard, weights in ((GATE, gate_up[:, :inter]), (UP, gate_up[:, inter:]), (DOWN, down)):
+        layer.load_shard(shard, [pack_int8_per_channel(w) for w in weights], f"{path}.{shard}")
+    layer.finish(path)
+    model.set_submodule(path, layer)
+    report.quantized.append(path)
