@@ -31,12 +31,14 @@ from arborlm.frontend_lang.select import check_choices
 # A JSON string literal (RFC 8259: no raw control character, only JSON's escapes), so that
 # text built from `gen_string()` pieces parses with `json.loads`.
 JSON_STRING_REGEX = r'"([^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"'
-# The regex each `dtype` of `gen` constrains the output to (SGLang's REGEX_INT... without
-# trailing whitespace, so the grammar ends and the model stops right after the value;
-# str is a JSON string, where SGLang's REGEX_STR allows only word characters and spaces).
+# The regex each `dtype` of `gen` constrains the output to. int and float are JSON number literals
+# (no leading zero, no "+") that Python's int()/float() also read, bounded to 18 digits so the
+# grammar ends and the model stops right after the value; str is a JSON string. SGLang's
+# REGEX_INT... (`ir.py`) allow leading zeros and trailing whitespace, which break JSON built from them.
+_JSON_INT = r"-?(0|[1-9][0-9]{0,17})"
 DTYPE_REGEX = {
-    int: r"[-+]?[0-9]{1,18}",
-    float: r"[-+]?[0-9]{1,18}(\.[0-9]{1,18})?",
+    int: _JSON_INT,
+    float: _JSON_INT + r"(\.[0-9]{1,17})?",
     bool: r"(True|False)",
     str: JSON_STRING_REGEX,
 }

@@ -109,6 +109,14 @@ def test_ir_constants_are_sglangs():
     assert re.fullmatch(ir.REGEX_INT, "-42 \n") and re.fullmatch(ir.REGEX_FLOAT, "3.14\n")
 
 
+def test_dtype_int_and_float_are_json_numbers():
+    for dtype, good, bad in ((int, ["0", "-7", "123456789012345678"], ["007", "+1", "1.5", "1234567890123456789"]),
+                             (float, ["0.5", "-3", "10.25"], ["01.5", "+2.0", "1.", ".5"])):
+        regex = sgl.gen("x", dtype=dtype).sampling["regex"]
+        assert all(re.fullmatch(regex, t) and json.loads(t) == dtype(t) for t in good)
+        assert not any(re.fullmatch(regex, t) for t in bad)
+
+
 @pytest.mark.parametrize("text, valid", [('"ab"', True), ('"a\\nb \\u00e9 \\" \\\\"', True), ('"a\tb"', False),
                                          ('"a\nb"', False), ('"a\\qb"', False), ('"\x01"', False), ('"é"', True)])
 def test_dtype_str_regex_is_exactly_the_json_strings(text, valid):
