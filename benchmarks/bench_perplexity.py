@@ -19,7 +19,11 @@ Variants (bf16 activations throughout):
 
     .venv/bin/python benchmarks/bench_perplexity.py [--window 512] [--variants none gguf int8]
 
-Prints a markdown table: perplexity, its ratio to `none`, and tokens scored.
+Greedy agreement: `--greedy-prompts` prompts (32-token slices spread over the text)
+continued greedily for `--greedy-tokens` tokens each, batched; the rate is the
+fraction of generated positions whose token equals `none`'s at that position.
+
+Prints a markdown table: perplexity, its ratio to `none`, tokens scored, greedy agreement.
 """
 
 from __future__ import annotations
@@ -98,6 +102,48 @@ def window_nll(runner: ModelRunner, ids: list[int]) -> float:
         runner.token_to_kv_pool_allocator.free(loc)
 
 
+def greedy_tokens(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations of `prompts`, batched: one prefill, then decode steps."""
+    rows = runner.req_to_token_pool.alloc(len(prompts))
+    if rows is None:
+        raise ValueError(f"{len(prompts)} prompts exceed the runner's request rows")
+    taken, seq_lens = [], [0] * len(prompts)
+    try:
+        new_ids = prompts
+        outputs: list[list[int]] = [[] for _ in prompts]
+        for step in range(max_new_tokens):
+            lens = [len(ids) for ids in new_ids]
+            loc = runner.token_to_kv_pool_allocator.alloc(sum(lens))
+            if loc is None:
+                raise ValueError("the KV pool is too small for the greedy prompts")
+            taken.append(loc)
+            start = 0
+            for row, prefix, n in zip(rows, seq_lens, lens):
+                runner.req_to_token_pool.req_to_token[row, prefix:prefix + n] = loc[start:start + n].to(torch.int32)
+                start += n
+            mode = ForwardMode.EXTEND if step == 0 else ForwardMode.DECODE
+            batch = ForwardBatch.build(
+                mode, [t for ids in new_ids for t in ids], rows, seq_lens, lens, loc, runner.req_to_token_pool,
+                runner.token_to_kv_pool,
+            )
+            next_ids = runner.forward(batch).next_token_logits.argmax(-1).tolist()
+            seq_lens = [p + n for p, n in zip(seq_lens, lens)]
+            for out, t in zip(outputs, next_ids):
+                out.append(t)
+            new_ids = [[t] for t in next_ids]
+        return outputs
+    finally:
+        runner.req_to_token_pool.free(rows)
+        for loc in taken:
+            runner.token_to_kv_pool_allocator.free(loc)
+
+
+def agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
+    """Fraction of positions where `tokens` equals `reference`."""
+    same = sum(a == b for t, r in zip(tokens, reference) for a, b in zip(t, r))
+    return same / sum(len(r) for r in reference)
+
+
 def perplexity(runner: ModelRunner, windows: list[list[int]]) -> tuple[float, int]:
     """(perplexity, tokens scored) over the windows."""
     nll = sum(window_nll(runner, w) for w in windows)
@@ -110,14 +156,16 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a GGUF file; default SmolLM2-135M-Instruct (Q4_1)")
     parser.add_argument("--window", type=int, default=512, help="tokens per prefill window")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--greedy-prompts", type=int, default=32, help="prompts for greedy agreement (0: none)")
+    parser.add_argument("--greedy-tokens", type=int, default=64, help="greedy tokens per prompt")
     args = parser.parse_args()
     if "none" not in args.variants:
         args.variants.insert(0, "none")
 
     from transformers import AutoTokenizer
 
-    results = {}
-    windows = None
+    results, greedy = {}, {}
+    windows = prompts = None
     for variant in args.variants:
         start = time.perf_counter()
         runner = runner_for(variant, args.model)
@@ -125,14 +173,21 @@ def main() -> None:
             tokenizer = AutoTokenizer.from_pretrained(str(runner.checkpoint))
             ids = tokenizer.encode(TEXT.read_text(), add_special_tokens=False)
             windows = [ids[i:i + args.window] for i in range(0, len(ids), args.window) if len(ids[i:i + args.window]) > 1]
+            stride = max(1, (len(ids) - 32) // max(args.greedy_prompts, 1))
+            prompts = [ids[i * stride:i * stride + 32] for i in range(args.greedy_prompts)]
         results[variant] = perplexity(runner, windows)
+        if prompts:
+            greedy[variant] = greedy_tokens(runner, prompts, args.greedy_tokens)
         print(f"{variant}: perplexity {results[variant][0]:.4f} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
         del runner
     base = results["none"][0]
-    print(f"| variant | perplexity | / none | tokens scored |  (window {args.window}, {TEXT.name})")
-    print("|---|---:|---:|---:|")
+    print(f"| variant | perplexity | / none | tokens scored | greedy agreement with none "
+          f"({args.greedy_prompts} x {args.greedy_tokens}) |")
+    print("|---|---:|---:|---:|---:|")
     for variant, (ppl, scored) in results.items():
-        print(f"| {variant} | {ppl:.3f} | {ppl / base:.4f} | {scored} |")
+        rate = f"{agreement(greedy[variant], greedy['none']):.3f}" if greedy else "-"
+        print(f"| {variant} | {ppl:.3f} | {ppl / base:.4f} | {scored} | {rate} |")
+    print(f"\nwindow {args.window} tokens over {TEXT.name}; bf16 activations")
 
 
 if __name__ == "__main__":

@@ -44,3 +44,21 @@ def test_requantized_variant_serves_packed_blocks(tiny):
     plain = bench_perplexity.runner_for("none", str(folder), "float32")
     q8, base = (bench_perplexity.perplexity(r, WINDOWS)[0] for r in (runner, plain))
     assert q8 == pytest.approx(base, rel=0.01) and q8 != base
+
+
+def test_greedy_tokens_match_the_model_and_free_the_pools(tiny):
+    folder, reference = tiny
+    runner = bench_perplexity.runner_for("none", str(folder), "float32")
+    free_rows, free_slots = runner.req_to_token_pool.available_size(), runner.token_to_kv_pool_allocator.available_size()
+    prompts = [WINDOWS[0], WINDOWS[1]]
+    tokens = bench_perplexity.greedy_tokens(runner, prompts, 6)
+    for prompt, got in zip(prompts, tokens):
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(6):
+                ids.append(int(reference(torch.tensor([ids])).logits[0, -1].argmax()))
+        assert got == ids[len(prompt):]
+    assert runner.req_to_token_pool.available_size() == free_rows
+    assert runner.token_to_kv_pool_allocator.available_size() == free_slots
+    assert bench_perplexity.agreement(tokens, tokens) == 1.0
+    assert bench_perplexity.agreement([[1, 2]], [[1, 3]]) == 0.5
