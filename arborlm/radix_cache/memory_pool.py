@@ -6,9 +6,11 @@ every slot, `[layers, slots, kv_heads, head_dim]`. Slot 0 is never handed out: i
 is the padding slot that dummy writes may target.
 
 The K/V may be stored in fp8 (`kv_cache_dtype`, SGLang's names `fp8_e5m2` and
-`fp8_e4m3`): half the bytes of bf16, so twice the tokens in the same memory. New
-K/V are cast on the way in (saturated to the format's range) and attention reads
-them upcast (`read_kv`, used by `layers/attention/quantized_kv_backend.py`).
+`fp8_e4m3`) or int8: half the bytes of bf16, so about twice the tokens in the same
+memory. New K/V are cast on the way in (fp8: saturated to the format's range;
+int8: symmetric per token and KV head, an fp16 scale per (token, head), 2 bytes
+beside head_dim) and attention reads them upcast (`read_kv`, used by
+`layers/attention/quantized_kv_backend.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from __future__ import annotations
 import torch
 
 # SGLang's --kv-cache-dtype names -> the storage dtype ("auto": the model's dtype).
-KV_CACHE_DTYPES = {"fp8_e5m2": torch.float8_e5m2, "fp8_e4m3": torch.float8_e4m3fn}
+KV_CACHE_DTYPES = {"fp8_e5m2": torch.float8_e5m2, "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
+INT8_SCALE_DTYPE = torch.float16  # one scale per (layer, slot, KV head) of an int8 pool
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -128,7 +131,7 @@ class TokenToKVPool:
     ----------
     size: usable slots (tokens); the buffers hold `size + 1` rows (row 0 = padding).
     num_layers, num_kv_heads, head_dim: model shape.
-    dtype: KV dtype: the model's, or an fp8 dtype of `KV_CACHE_DTYPES` (`quantized`).
+    dtype: KV dtype: the model's, or one of `KV_CACHE_DTYPES` (`quantized`).
 
     Attributes
     ----------
@@ -153,11 +156,19 @@ class TokenToKVPool:
         shape = (num_layers, size + 1, num_kv_heads, head_dim)
         self.k_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_buffer = torch.zeros(shape, dtype=dtype, device=self.device)
+        # int8: K = k_buffer * k_scale[..., None] per (layer, slot, KV head); None otherwise.
+        self.k_scale = self.v_scale = None
+        if dtype == torch.int8:
+            self.k_scale, self.v_scale = (torch.zeros(shape[:3], dtype=INT8_SCALE_DTYPE, device=self.device)
+                                          for _ in range(2))
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """Memory of one slot across all layers, K and V, in bytes."""
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        """Memory of one slot across all layers, K and V (and an int8 pool's scales), in bytes."""
+        values = 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        if dtype == torch.int8:
+            values += 2 * num_layers * num_kv_heads * torch.empty((), dtype=INT8_SCALE_DTYPE).element_size()
+        return values
 
     @property
     def quantized(self) -> bool:
@@ -173,6 +184,14 @@ class TokenToKVPool:
 
         Into an fp8 pool the values are saturated to the format's finite range first
         (a plain cast makes fp8_e5m2's overflow inf)."""
+        if self.dtype == torch.int8:
+            for buffer, scales, new in ((self.k_buffer, self.k_scale, k), (self.v_buffer, self.v_scale, v)):
+                scale = (new.float().abs().amax(dim=-1) / 127).to(INT8_SCALE_DTYPE)  # (n, kv_heads)
+                scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+                stored = torch.round(new.float() / scale.float().unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+                buffer[layer_id].index_copy_(0, loc, stored)
+                scales[layer_id].index_copy_(0, loc, scale)
+            return
         if self.quantized:
             bound = torch.finfo(self.dtype).max
             # index_copy_ has no fp8 kernel: copy the bytes.
@@ -187,5 +206,11 @@ class TokenToKVPool:
     def read_kv(self, layer_id: int, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `slots` ((n,) int64) in layer `layer_id`, upcast to `dtype`: two
         (n, num_kv_heads, head_dim) contiguous tensors (copies)."""
+        if self.dtype == torch.int8:
+            return tuple(
+                (buffer[layer_id].index_select(0, slots).float()
+                 * scales[layer_id].index_select(0, slots).float().unsqueeze(-1)).to(dtype)
+                for buffer, scales in ((self.k_buffer, self.k_scale), (self.v_buffer, self.v_scale))
+            )
         return (self.k_buffer[layer_id].index_select(0, slots).to(dtype),
                 self.v_buffer[layer_id].index_select(0, slots).to(dtype))

@@ -28,7 +28,7 @@ SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ATTENTION_BACKENDS = ATTENTION_BACKEND_NAMES  # one list, torch-free: runtime/layers/attention/names.py
 # SGLang's --kv-cache-dtype values served (radix_cache/memory_pool.py KV_CACHE_DTYPES); auto = dtype.
-KV_CACHE_DTYPE_NAMES = ("auto", "fp8_e5m2", "fp8_e4m3")
+KV_CACHE_DTYPE_NAMES = ("auto", "fp8_e5m2", "fp8_e4m3", "int8")
 # --hicache-storage-backend values served (the host tier in a memory-mapped file).
 HICACHE_STORAGE_BACKENDS = ("file",)
 # The longest the front waits for a scheduler reply (seconds): Prometheus's default scrape timeout.
@@ -137,8 +137,9 @@ class CacheConfig:
     disable_radix_cache: bool = field(default=False, metadata={"help": "turn prefix sharing off"})
     kv_cache_dtype: str = field(
         default="auto",
-        metadata={"help": "KV pool storage: auto (the model dtype) | fp8_e5m2 | fp8_e4m3 (one byte per value, "
-                          "twice the tokens of bf16; attention reads it upcast)"},
+        metadata={"help": "KV pool storage: auto (the model dtype) | fp8_e5m2 | fp8_e4m3 | int8 (one byte per "
+                          "value, int8 with a scale per token and head: about twice the tokens of bf16; attention "
+                          "reads it upcast)"},
     )
     enable_hierarchical_cache: bool = field(
         default=False,
@@ -167,6 +168,8 @@ class CacheConfig:
         _check(self.page_size >= 1, "page_size", self.page_size, "an integer >= 1")
         _check(self.kv_cache_dtype in KV_CACHE_DTYPE_NAMES, "kv_cache_dtype", self.kv_cache_dtype,
                f"one of {KV_CACHE_DTYPE_NAMES}")
+        _check(not (self.kv_cache_dtype == "int8" and self.enable_hierarchical_cache), "kv_cache_dtype",
+               self.kv_cache_dtype, "not int8 with enable_hierarchical_cache (the host tier does not copy its scales)")
         _check(self.hicache_ratio > 0, "hicache_ratio", self.hicache_ratio, "a value > 0")
         _check(self.hicache_size >= 0, "hicache_size", self.hicache_size, "GB >= 0 (0: use hicache_ratio)")
         _check(self.hicache_storage_backend in (None, *HICACHE_STORAGE_BACKENDS), "hicache_storage_backend",

@@ -1,4 +1,5 @@
-"""Attention over a KV pool stored in fp8 (`kv_cache_dtype` fp8_e5m2 / fp8_e4m3).
+"""Attention over a KV pool stored in one byte per value (`kv_cache_dtype` fp8_e5m2 / fp8_e4m3 /
+int8 with per-token, per-head scales).
 
 The pool (`radix_cache/memory_pool.py`) stores K/V in one byte per value; the
 attention kernels take K/V in q's dtype. Per step, `init_forward_metadata` lists
