@@ -15,7 +15,7 @@ Variants (bf16 activations throughout):
   the same kernels, the embedding table kept bf16 (gguf's Python package has no
   K-quant quantizer, so Q4_K / Q5_K / Q6_K are not in the table);
 - `int8`: `--quantization int8` (per-channel weight-only int8);
-- `kv-fp8_e4m3`, `kv-fp8_e5m2`: bf16 weights, the KV pool in fp8.
+- `kv-int8`, `kv-fp8_e4m3`, `kv-fp8_e5m2`: bf16 weights, the KV pool in int8 / fp8.
 
     .venv/bin/python benchmarks/bench_perplexity.py [--window 512] [--variants none gguf int8]
 
@@ -45,7 +45,7 @@ from arborlm.runtime.model_runner import ModelRunner  # noqa: E402
 
 TEXT = Path(__file__).parent / "data" / "perplexity_text.txt"
 REQUANTIZED = ("q8_0", "q4_0", "q4_1")
-VARIANTS = ("none", "gguf", *(f"gguf-{f}" for f in REQUANTIZED), "int8", "kv-fp8_e4m3", "kv-fp8_e5m2")
+VARIANTS = ("none", "gguf", *(f"gguf-{f}" for f in REQUANTIZED), "int8", "kv-int8", "kv-fp8_e4m3", "kv-fp8_e5m2")
 
 
 def runner_for(variant: str, model: str | None, dtype: str = "bfloat16") -> ModelRunner:
