@@ -13,12 +13,21 @@ On the default model, in one run:
    unconstrained (each with the constrained output's length, `ignore_eos`);
 5. decode steps saved by jump-forward (the same constrained batch with it off).
 
+``--compile-only`` leaves the model out (minutes, not hours, for all 420 schemas on every
+backend): coverage and compile times as above, and for each compiled schema `WALKS`
+random walks of its grammar (each step samples uniformly among the allowed tokens, EOS
+with probability `EOS_BIAS` once allowed), timing every mask fill and validating every
+walk the grammar ended against the user's schema (`GrammarSpec.validate_output`, the
+check the server applies); refusals and failed validations are counted by cause.
+
 The scheduler runs in this process (the same loop the Engine runs in its own
 process), so its counters can be read directly. Results go to
 `benchmarks/results/structured.json` and a markdown table on stdout.
 
     python benchmarks/bench_structured.py            # full run
     python benchmarks/bench_structured.py --quick    # 8 schemas per sub-dataset
+    flock /tmp/arborlm-timing.lock python benchmarks/bench_structured.py --compile-only \
+        --backends llguidance,xgrammar,outlines
 """
 
 from __future__ import annotations
@@ -26,8 +35,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import re
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import jsonschema
@@ -36,7 +48,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from arborlm.constrained.base import GrammarError  # noqa: E402
+from arborlm.constrained.base import GrammarError, allocate_vocab_mask  # noqa: E402
 from arborlm.constrained.grammar_manager import GrammarManager, create_grammar_backend  # noqa: E402
 from arborlm.constrained.grammar_spec import grammar_spec_from_params  # noqa: E402
 from arborlm.runtime.config import ServerArgs  # noqa: E402
@@ -48,7 +60,13 @@ from arborlm.sampling_params import SamplingParams  # noqa: E402
 DATA = next((p / "shared" / "data" / "jsonschemabench" for p in ROOT.parents
              if (p / "shared" / "data" / "jsonschemabench").is_dir()), Path("/work/shared/data/jsonschemabench"))
 RESULTS = ROOT / "benchmarks" / "results"
-BACKENDS = ("xgrammar", "outlines")
+BACKENDS = ("llguidance", "xgrammar", "outlines")
+VOCAB_SIZE = 49152
+# --compile-only: random walks per compiled schema, the most steps of one, and the chance
+# of taking EOS at a step where the grammar allows it.
+WALKS = 2
+WALK_STEPS = 400
+EOS_BIAS = 0.3
 
 
 def load_schemas(per_subset: int | None) -> dict[str, list[tuple[str, dict]]]:
@@ -66,11 +84,59 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
-def compile_all(backend_name, tokenizer, eos_ids, subsets, timeout_s):
-    """Front check + compile every schema; returns {id: spec} of the covered ones and per-id status."""
-    backend = create_grammar_backend(backend_name, tokenizer, 49152, eos_ids)
+def refusal_cause(message: str) -> str:
+    """The keyword (or kind of failure) a refusal names first, for counting refusals by cause."""
+    named = re.search(r"Unimplemented keys: \[\"([^\"]+)\"|keywords the grammar cannot enforce: (\S+) at "
+                      r"|^(?:invalid JSON schema \(llguidance\): )?(Unknown format|Resource|Unable to resolve)"
+                      r"|outlines-core cannot (enforce|use)|does not support (\S+)", message)
+    if named:
+        return next(g for g in named.groups() if g)
+    return message[:40]
+
+
+def walk(matcher, spec, rng: random.Random, eos: int, fill_us: list[float]) -> str:
+    """One random walk of ``matcher``: "valid", "unfinished", or the failed validation's cause."""
+    mask = allocate_vocab_mask(1, VOCAB_SIZE)
+    tokens = []
+    for _ in range(WALK_STEPS):
+        start = time.perf_counter()
+        matcher.fill_vocab_mask(mask, 0)
+        fill_us.append((time.perf_counter() - start) * 1e6)
+        allowed = mask_ids(mask[0])
+        if len(allowed) == 0:
+            return "dead end"
+        eos_allowed = bool((allowed == eos).any())
+        if eos_allowed and (len(allowed) == 1 or rng.random() < EOS_BIAS):
+            assert matcher.accept_token(eos)
+            message = spec.validate_output(_TOKENIZER.decode(tokens, skip_special_tokens=True))
+            return "valid" if message is None else "invalid: " + message[:60]
+        token = int(rng.choice(allowed[allowed != eos]))
+        assert matcher.accept_token(token), token
+        tokens.append(token)
+    return "unfinished"
+
+
+def mask_ids(row):
+    """The allowed token ids of one int32 bitmask row (bit j % 32 of word j // 32), as a numpy array."""
+    import numpy as np
+
+    bits = np.unpackbits(row.numpy().view(np.uint8), bitorder="little")
+    return np.flatnonzero(bits[:VOCAB_SIZE])
+
+
+_TOKENIZER = None
+
+
+def compile_all(backend_name, tokenizer, eos_ids, subsets, timeout_s, walks: int = 0):
+    """Front check + compile every schema; returns {id: spec} of the covered ones and per-id status.
+
+    ``walks`` > 0: also that many random walks per compiled grammar (see the module docstring);
+    their outcomes and mask-fill times are returned in the third and fourth place.
+    """
+    backend = create_grammar_backend(backend_name, tokenizer, VOCAB_SIZE, eos_ids)
     manager = GrammarManager(backend, compile_timeout=timeout_s)
-    specs, status, pending = {}, {}, {}
+    specs, status, pending, outcomes, fill_us = {}, {}, {}, Counter(), []
+    rng = random.Random(0)
     for sid, schema in (item for items in subsets.values() for item in items):
         try:
             spec = grammar_spec_from_params(SamplingParams(json_schema=schema), backend_name)
@@ -85,15 +151,20 @@ def compile_all(backend_name, tokenizer, eos_ids, subsets, timeout_s):
             now = time.monotonic()
             for sid, p in list(pending.items()):
                 try:
-                    if p.result(now) is None:
+                    compiled = p.result(now)
+                    if compiled is None:
                         continue
                     status[sid] = "compiled"
+                    for _ in range(walks):
+                        outcomes[walk(compiled.new_matcher(), specs[sid], rng, eos_ids[0], fill_us)] += 1
                 except GrammarError as e:
                     status[sid] = f"failed: {e.message[:120]}"
                     specs.pop(sid)
                 del pending[sid]
                 bar.update(1)
     compile_times = list(manager.stats()["compile_times_s"])
+    if walks:
+        return specs, status, compile_times, manager, outcomes, fill_us
     return specs, status, compile_times, manager
 
 
@@ -190,8 +261,13 @@ def main() -> None:
     parser.add_argument("--compile-timeout", type=float, default=60.0, help="seconds per schema")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch", type=int, default=16, help="requests in the throughput comparison")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="no model: coverage, compile times, random grammar walks (validity, mask fill)")
     args = parser.parse_args()
     per_subset = 8 if args.quick else args.per_subset
+    if args.compile_only:
+        compile_only(args, per_subset)
+        return
 
     from transformers import AutoTokenizer
 
@@ -234,6 +310,53 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "structured.json").write_text(json.dumps(record, indent=1))
     print_tables(record, list(subsets))
+
+
+def compile_only(args, per_subset: int | None) -> None:
+    """--compile-only: every backend over the same schemas, one after the other in this run."""
+    global _TOKENIZER
+    from transformers import AutoTokenizer
+
+    tokenizer = _TOKENIZER = AutoTokenizer.from_pretrained(str(resolve_checkpoint(None)))
+    subsets = load_schemas(per_subset)
+    record: dict = {"date": time.strftime("%Y-%m-%d"), "per_subset": per_subset, "walks": WALKS, "backends": {}}
+    for backend_name in args.backends.split(","):
+        start = time.perf_counter()
+        specs, status, compile_times, manager, outcomes, fill_us = compile_all(
+            backend_name, tokenizer, [tokenizer.eos_token_id], subsets, args.compile_timeout, walks=WALKS)
+        manager.shutdown()
+        refused = Counter(refusal_cause(v.split(": ", 1)[1]) for v in status.values() if v != "compiled")
+        record["backends"][backend_name] = {
+            "coverage": {name: sum(status[sid] == "compiled" for sid, _ in items) / len(items)
+                         for name, items in subsets.items()},
+            "status": status, "refused_by_cause": dict(refused.most_common()), "walks": dict(outcomes),
+            "compile_s_p50": percentile(compile_times, 50), "compile_s_p95": percentile(compile_times, 95),
+            "compile_s_max": max(compile_times, default=float("nan")),
+            "mask_us_p50": percentile(fill_us, 50), "mask_us_p99": percentile(fill_us, 99),
+            "seconds": time.perf_counter() - start,
+        }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "structured_compile.json").write_text(json.dumps(record, indent=1))
+    print_compile_tables(record, list(subsets))
+
+
+def print_compile_tables(record: dict, subset_names: list[str]) -> None:
+    backends = record["backends"]
+    print("\n| sub-dataset | " + " | ".join(f"{b} coverage" for b in backends) + " |")
+    print("|---|" + "---|" * len(backends))
+    for name in [*subset_names]:
+        print(f"| {name} | " + " | ".join(f"{backends[b]['coverage'][name]:.2f}" for b in backends) + " |")
+    print("\n| backend | walks valid / ended | unfinished | compile p50 / p95 / max (s) | mask p50 / p99 (µs) |")
+    print("|---|---|---|---|---|")
+    for b, r in backends.items():
+        w = r["walks"]
+        ended = sum(n for k, n in w.items() if k not in ("unfinished",))
+        print(f"| {b} | {w.get('valid', 0)} / {ended} | {w.get('unfinished', 0)} | {r['compile_s_p50']:.4f} / "
+              f"{r['compile_s_p95']:.4f} / {r['compile_s_max']:.2f} | {r['mask_us_p50']:.0f} / {r['mask_us_p99']:.0f} |")
+    for b, r in backends.items():
+        causes = ", ".join(f"{k} {n}" for k, n in list(r["refused_by_cause"].items())[:8])
+        bad = {k: n for k, n in r["walks"].items() if k not in ("valid", "unfinished")}
+        print(f"\n{b}: refused by cause: {causes or 'none'}; walks not valid: {bad or 'none'}")
 
 
 def print_tables(record: dict, subset_names: list[str]) -> None:

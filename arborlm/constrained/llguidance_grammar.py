@@ -44,7 +44,9 @@ from arborlm.constrained.regex_constraint import RegexDialect, dot_as_class
 from arborlm.constrained.structural_tags import from_legacy_structural_tag
 
 # llguidance's JSON options: json.dumps's separators, on one line (as xgrammar's and outlines' output).
-JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+# ``oneOf`` as ``anyOf`` where llguidance cannot show the branches disjoint (as on the other backends:
+# exclusivity is left to the final validation, see `json_schema`'s decisions).
+JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False, "coerce_one_of": True}
 # Longest error text passed on to a client.
 MAX_ERROR_CHARS = 500
 

@@ -169,8 +169,9 @@ def test_legacy_structural_tag_and_ebnf_forms(tokenizer, eos, backend):
 
 
 @pytest.mark.parametrize(("fields", "match"), [
-    ({"json_schema": json.dumps({"not": {"type": "string"}, "type": "object"})}, "not"),
-    ({"json_schema": json.dumps({"type": "object", "unevaluatedProperties": False})}, "unevaluatedProperties"),
+    ({"json_schema": json.dumps({"not": {"const": "x"}, "type": "string"})}, "not"),
+    ({"json_schema": json.dumps({"type": "object", "anyOf": [{"properties": {"a": {}}}],
+                                 "unevaluatedProperties": False})}, "unevaluatedProperties"),
     ({"json_schema": json.dumps({"properties": {"a": {"$ref": "https://example.com/a.json"}}})},
      "does not fetch"),
     ({"json_schema": json.dumps({"$ref": "#/$defs/missing"})}, "missing"),

@@ -1,58 +1,258 @@
-"""What llguidance receives of a user's JSON schema: the schema as written, less annotations it refuses.
+"""What llguidance receives of a user's JSON schema: the schema as written, with the keywords
+llguidance does not implement rewritten into equivalent ones it does, where such exist.
 
 llguidance enforces JSON Schema itself, keyword by keyword, and refuses (naming
 them) the keywords it does not implement, so its `SchemaPolicy` compiles the
-schema as the user wrote it. One rewrite runs first, `drop_unknown_formats`:
-llguidance refuses a ``format`` it does not know, but ``format`` is an
-annotation in JSON Schema 2020-12 (and arborlm validates outputs without a
-format checker), so a format llguidance does not know is left out rather than
-refusing the schema; the output allowed is a superset only of what the format
-would narrow, and every output is valid either way.
+schema as the user wrote it after `llguidance_rewrite`. Each rewrite below
+keeps the schema's language exactly (the same instances validate), except the
+``format`` one, which only widens an annotation:
+
+- ``format`` llguidance does not know: left out. ``format`` is an annotation in
+  JSON Schema 2020-12 and arborlm validates outputs without a format checker,
+  so refusing the schema would refuse something nobody checks.
+- ``uniqueItems: false``, ``propertyNames: true`` / ``{}``: no constraint; removed.
+- ``dependentRequired`` / ``dependencies`` (names) ``{"a": ["b"]}``: "a is absent,
+  or a and b are present", ``anyOf [{"properties": {"a": false}}, {"required": ["a", "b"]}]``.
+- ``dependentSchemas`` / ``dependencies`` (schema) ``{"a": S}``: ``anyOf
+  [{"properties": {"a": false}}, {"required": ["a"], "allOf": [S]}]``.
+- ``not`` of types (``{"not": {"type": T}}``): the other JSON types (``integer``
+  counted inside ``number``: not number leaves integers out, not integer keeps
+  the non-integral numbers only where the schema says number, which is
+  inexpressible, so that case stays refused); ``not: {}`` is ``false``.
+- ``propertyNames`` of a ``pattern``, of ``const`` / ``enum`` names, or of
+  ``maxLength`` / ``minLength``, on an object without ``patternProperties``:
+  the undeclared names allowed move from ``additionalProperties`` to a
+  ``patternProperties`` entry, declared properties whose names break it
+  become ``false`` (only where no declared name matching it would then owe
+  ``additionalProperties`` too); ``propertyNames: false`` is ``maxProperties: 0``.
+- ``uniqueItems: true`` over items of finitely many values (``enum``,
+  ``const``, ``boolean``, ``null``) with no ``prefixItems`` or ``contains``: the
+  ``enum`` of every array of distinct values within ``minItems``/``maxItems``,
+  when there are at most `MAX_UNIQUE_ARRAYS`.
+- ``unevaluatedProperties`` / ``unevaluatedItems`` in a subschema with no
+  in-place applicator (``allOf``, ``anyOf``, ``oneOf``, ``not``, ``if``,
+  ``$ref``, ``$dynamicRef``, dependent schemas): what it then means, an
+  ``additionalProperties`` / ``items`` (or nothing, when those are there).
+
+What stays unimplemented (``if``/``then``/``else``, ``contains``, other ``not``s and
+``uniqueItems``, ``$dynamicRef``, ...) is refused by llguidance naming the
+keyword, or, in lenient mode, ignored by it; the output is validated either way.
 
 Where it runs: `llguidance_rewrite` is the ``rewrite`` of `LLGUIDANCE_POLICY`,
-called by `prepare_json_schema` in the front.
+called by `prepare_json_schema` in the front on a fresh copy of the schema.
 """
 
 from __future__ import annotations
 
+import itertools
+import re
 from typing import Any
+
+from arborlm.constrained.json_schema.nodes import TYPES
+from arborlm.constrained.json_schema.values import unique
 
 # The formats llguidance 1.9 enforces (its `Unknown format` error names any other).
 LLGUIDANCE_FORMATS = frozenset({
     "date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri",
 })  # fmt: skip
+# Most arrays `uniqueItems` over finitely many values is written as (an enum of them).
+MAX_UNIQUE_ARRAYS = 256
 
 # Keywords whose value is one subschema; a list of subschemas; a name -> subschema map.
 _ONE = ("additionalProperties", "additionalItems", "items", "contains", "propertyNames", "not", "if", "then",
         "else", "unevaluatedProperties", "unevaluatedItems")
 _LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+# Keywords applying other subschemas to the same instance (unevaluated* sees what they evaluate).
+_IN_PLACE = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef", "$recursiveRef",
+             "dependentSchemas", "dependencies")
 
 
 def llguidance_rewrite(schema: Any) -> Any:
     """``schema`` (parsed JSON, changed in place) as llguidance compiles it (see the module docstring)."""
-    drop_unknown_formats(schema)
+    _visit(schema)
     return schema
 
 
-def drop_unknown_formats(schema: Any) -> None:
-    """Remove, in place, every ``format`` of a subschema that llguidance does not know (`LLGUIDANCE_FORMATS`).
-
-    Only schema positions are visited (``properties`` values, ``items``, ...),
-    never ``enum``/``const``/``default`` values nor property names.
-    """
+def _visit(schema: Any) -> None:
+    """Rewrite ``schema`` and, first, every subschema in it (in place)."""
     if not isinstance(schema, dict):
         return
-    if isinstance(schema.get("format"), str) and schema["format"] not in LLGUIDANCE_FORMATS:
-        del schema["format"]
+    for sub in _subschemas(schema):
+        _visit(sub)
+    for rewrite in _REWRITES:
+        rewrite(schema)
+
+
+def _subschemas(schema: dict):
     for keyword in _ONE:
         if isinstance(schema.get(keyword), dict):
-            drop_unknown_formats(schema[keyword])
+            yield schema[keyword]
     for keyword in _LIST:
         if isinstance(schema.get(keyword), list):
-            for sub in schema[keyword]:
-                drop_unknown_formats(sub)
+            yield from schema[keyword]
     for keyword in _MAP:
         if isinstance(schema.get(keyword), dict):
-            for sub in schema[keyword].values():
-                drop_unknown_formats(sub)
+            yield from schema[keyword].values()
+
+
+def drop_unknown_formats(schema: dict) -> None:
+    """Remove a ``format`` llguidance does not know (`LLGUIDANCE_FORMATS`) from this subschema."""
+    if isinstance(schema.get("format"), str) and schema["format"] not in LLGUIDANCE_FORMATS:
+        del schema["format"]
+
+
+def drop_no_ops(schema: dict) -> None:
+    """Remove ``uniqueItems: false`` and ``propertyNames: true`` / ``{}``, which constrain nothing."""
+    if schema.get("uniqueItems") is False:
+        del schema["uniqueItems"]
+    if schema.get("propertyNames") is True or schema.get("propertyNames") == {}:
+        del schema["propertyNames"]
+
+
+def lower_dependencies(schema: dict) -> None:
+    """``dependentRequired``, ``dependentSchemas`` and draft-7 ``dependencies`` as ``allOf`` of ``anyOf``s."""
+    conditions = []
+    for keyword in ("dependentRequired", "dependentSchemas", "dependencies"):
+        value = schema.get(keyword)
+        if not isinstance(value, dict):
+            continue
+        for name, then in value.items():
+            absent = {"properties": {name: False}}
+            if isinstance(then, list):
+                present = {"required": [name, *then]}
+            else:
+                present = {"required": [name], "allOf": [then]}
+            conditions.append({"anyOf": [absent, present]})
+        del schema[keyword]
+    if conditions:
+        schema["allOf"] = [*schema.get("allOf", []), *conditions]
+
+
+def lower_not(schema: dict) -> None:
+    """``not: {}`` as ``false`` (inside ``allOf``) and ``not`` of a bare ``type`` as the other types."""
+    negated = schema.get("not")
+    if negated == {} or negated is True:
+        del schema["not"]
+        schema["allOf"] = [*schema.get("allOf", []), False]
+        return
+    if not isinstance(negated, dict) or set(negated) != {"type"}:
+        return
+    types = negated["type"] if isinstance(negated["type"], list) else [negated["type"]]
+    if not all(t in TYPES for t in types) or ("integer" in types and "number" not in types):
+        return  # "not integer" keeps the non-integral numbers, which no type names
+    left = [t for t in TYPES if t not in types and not (t == "integer" and "number" in types)]
+    del schema["not"]
+    schema["allOf"] = [*schema.get("allOf", []), {"type": left} if left else False]
+
+
+def lower_property_names(schema: dict) -> None:
+    """``propertyNames`` of a pattern, names or lengths as ``patternProperties`` (see the module docstring)."""
+    names = schema.get("propertyNames")
+    if names is False:
+        del schema["propertyNames"]
+        schema["maxProperties"] = 0
+        return
+    pattern = _names_pattern(names)
+    if pattern is None or "patternProperties" in schema:
+        return
+    properties = schema.get("properties", {})
+    additional = schema.get("additionalProperties", True)
+    if additional not in (True, {}) and any(re.search(pattern, name) for name in properties):
+        return  # a declared name matching the pattern would have to satisfy additionalProperties too
+    del schema["propertyNames"]
+    for name in properties:
+        if not re.search(pattern, name):
+            properties[name] = False
+    schema["patternProperties"] = {pattern: additional}
+    schema["additionalProperties"] = False
+
+
+def _names_pattern(names: Any) -> str | None:
+    """A regex (searched, as ``pattern`` is) matching exactly the names ``names`` allows, or None."""
+    if not isinstance(names, dict):
+        return None
+    extra = set(names) - {"type", "pattern", "const", "enum", "minLength", "maxLength"}
+    if extra or names.get("type", "string") != "string":
+        return None
+    forms = [k for k in ("pattern", "const", "enum") if k in names]
+    lengths = "minLength" in names or "maxLength" in names
+    if len(forms) + lengths != 1:
+        return None  # two conditions at once: their intersection is not one regex we write
+    if "pattern" in names:
+        return names["pattern"] if isinstance(names["pattern"], str) else None
+    if lengths:
+        low, high = names.get("minLength", 0), names.get("maxLength", "")
+        if not isinstance(low, int) or not (high == "" or isinstance(high, int)):
+            return None
+        return f"^[\\s\\S]{{{low},{high}}}$"
+    values = [names["const"]] if "const" in names else names["enum"]
+    if not isinstance(values, list) or not values or not all(isinstance(v, str) for v in values):
+        return None
+    return "^(?:" + "|".join(re.escape(v) for v in values) + ")$"
+
+
+def lower_unique_items(schema: dict) -> None:
+    """``uniqueItems`` over items of finitely many values as the ``enum`` of the allowed arrays."""
+    if schema.get("uniqueItems") is not True or "prefixItems" in schema or "contains" in schema:
+        return
+    values = _finite_values(schema.get("items", None))
+    if values is None:
+        return
+    low = schema.get("minItems", 0)
+    high = min(schema.get("maxItems", len(values)), len(values))
+    if not isinstance(low, int) or not isinstance(high, int):
+        return
+    arrays = []
+    for size in range(low, high + 1):
+        for combination in itertools.permutations(values, size):
+            arrays.append(list(combination))
+            if len(arrays) > MAX_UNIQUE_ARRAYS:
+                return
+    for keyword in ("uniqueItems", "items", "minItems", "maxItems"):
+        schema.pop(keyword, None)
+    schema["enum"] = arrays
+
+
+def _finite_values(items: Any) -> list | None:
+    """The distinct values an ``items`` subschema allows, when it is an ``enum``, ``const``, boolean or null."""
+    if not isinstance(items, dict):
+        return None
+    if set(items) <= {"enum", "type"} and isinstance(items.get("enum"), list):
+        values = items["enum"]
+    elif set(items) <= {"const", "type"} and "const" in items:
+        values = [items["const"]]
+    elif set(items) == {"type"} and items["type"] in ("boolean", "null"):
+        return [False, True] if items["type"] == "boolean" else [None]
+    else:
+        return None
+    if "type" in items:  # an enum value of another type is not allowed
+        allowed = items["type"] if isinstance(items["type"], list) else [items["type"]]
+        values = [v for v in values if _json_type(v) in allowed or (_json_type(v) == "integer" and "number" in allowed)]
+    return unique(values)
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    return {str: "string", list: "array", dict: "object", type(None): "null"}[type(value)]
+
+
+def lower_unevaluated(schema: dict) -> None:
+    """``unevaluatedProperties`` / ``unevaluatedItems`` where no in-place applicator can evaluate anything."""
+    if any(k in schema for k in _IN_PLACE):
+        return
+    if "unevaluatedProperties" in schema:
+        value = schema.pop("unevaluatedProperties")
+        schema.setdefault("additionalProperties", value)  # with additionalProperties, nothing is unevaluated
+    if "unevaluatedItems" in schema and not isinstance(schema.get("items"), list) and "additionalItems" not in schema:
+        value = schema.pop("unevaluatedItems")
+        schema.setdefault("items", value)
+
+
+_REWRITES = (drop_unknown_formats, drop_no_ops, lower_unevaluated, lower_dependencies, lower_not,
+             lower_property_names, lower_unique_items)
