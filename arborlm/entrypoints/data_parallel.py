@@ -40,8 +40,13 @@ WORKER_START_TIMEOUT_S = 1800.0  # a large model loads for minutes; SGLang's rou
 STOP_TIMEOUT_S = 30.0
 POLL_INTERVAL_S = 0.5
 # The router's health checks: a dead worker is dropped after this many failed checks this far apart.
-HEALTH_CHECK_INTERVAL_S = 5
+HEALTH_CHECK_INTERVAL_S = 2
 HEALTH_FAILURE_THRESHOLD = 2
+# Its circuit breaker: a worker whose requests fail this many times in a row is skipped (and the
+# router's retries go to another worker) until it is probed again after the timeout. The
+# router's defaults (10 failures, 60 s) send requests to a dead worker for many seconds.
+CB_FAILURE_THRESHOLD = 2
+CB_TIMEOUT_S = 10
 
 
 class RouterMissingError(ArborError):
@@ -100,6 +105,8 @@ def router_kwargs(server_args: ServerArgs, workers: list[WorkerSpec], metrics_po
         "max_payload_size": cfg.max_request_bytes,
         "health_check_interval_secs": HEALTH_CHECK_INTERVAL_S,
         "health_failure_threshold": HEALTH_FAILURE_THRESHOLD,
+        "cb_failure_threshold": CB_FAILURE_THRESHOLD,
+        "cb_timeout_duration_secs": CB_TIMEOUT_S,
         "log_level": {"debug": "debug", "info": "info", "warning": "warn"}.get(cfg.log_level, "error"),
     }
 
@@ -151,6 +158,7 @@ def launch_data_parallel(server_args: ServerArgs) -> None:
     EngineDeadError: a worker failed to start (its log says why) or every worker died.
     """
     require_router()
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health poll otherwise
     cfg = server_args.server
     check_port_free(cfg.host, cfg.port)
     ctx = mp.get_context("spawn")
@@ -168,7 +176,8 @@ def launch_data_parallel(server_args: ServerArgs) -> None:
                                  name="arborlm-router")
             router.start()
             procs.insert(0, router)
-            logger.info("%d workers behind sglang-router (%s) on http://%s:%d", len(workers),
+            _wait_registered(_local_url(cfg.host, cfg.port), len(workers), router, cfg.api_key)
+            logger.info("%d workers behind sglang-router (%s) on http://%s:%d: ready", len(workers),
                         server_args.parallel.router_policy, cfg.host, cfg.port)
             _supervise(router, procs[1:])
         except _Stop:
@@ -216,6 +225,34 @@ def _wait_healthy(workers: list[WorkerSpec], procs: list[BaseProcess]) -> None:
                                   f"{WORKER_START_TIMEOUT_S:.0f} s")
         if pending:
             time.sleep(POLL_INTERVAL_S)
+
+
+def _local_url(host: str, port: int) -> str:
+    """The router's URL from this machine (a wildcard bind address is reached on loopback)."""
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1" if host != "::" else "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _wait_registered(router_url: str, n: int, router: BaseProcess, api_key: str | None) -> None:
+    """Block until the router lists `n` healthy workers (`GET /workers`, which takes the
+    router's API key): its `/health` answers before it has registered them.
+
+    Raises
+    ------
+    EngineDeadError: the router exited, or did not register the workers in time.
+    """
+    deadline = time.monotonic() + WORKER_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if not router.is_alive():
+            raise EngineDeadError(f"the router exited with status {router.exitcode} while starting")
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+            listed = httpx.get(f"{router_url}/workers", headers=headers, timeout=2).json().get("workers", [])
+            if sum(1 for w in listed if w.get("is_healthy")) >= n:
+                return
+        time.sleep(POLL_INTERVAL_S)
+    raise EngineDeadError(f"the router did not register the {n} workers in {WORKER_START_TIMEOUT_S:.0f} s")
 
 
 def _supervise(router: BaseProcess, workers: list[BaseProcess]) -> None:

@@ -66,24 +66,24 @@ def test_server_info_names_the_loaded_model(http, server):
 @pytest.fixture(scope="module")
 def dp_server(tiny_llama_dir, tmp_path_factory):
     pytest.importorskip("sglang_router")
-    srv = start_server(tiny_llama_dir, tmp_path_factory.mktemp("dp") / "dp.log", "--dp-size", "2")
+    srv = start_server(tiny_llama_dir, tmp_path_factory.mktemp("dp") / "dp.log", "--dp-size", "2", "--log-level", "info")
     _wait_router_ready(srv)
     yield srv
     stop_server(srv)
 
 
-def _wait_router_ready(srv, timeout_s: float = 60.0) -> None:
-    """/health of the router answers before it has registered the workers: wait for a generation."""
+def _wait_router_ready(srv, timeout_s: float = 120.0) -> None:
+    """/health of the router answers before it has registered the workers: wait for both
+    (the command logs "N workers behind sglang-router ...: ready" at the same point)."""
     deadline = time.monotonic() + timeout_s
-    with srv.client() as client:
-        while time.monotonic() < deadline:
-            try:
-                if client.post("/generate", json=_greedy("warm")).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-    raise AssertionError(f"the router did not serve in time:\n{srv.log()}")
+    while time.monotonic() < deadline:
+        if "workers behind sglang-router" in srv.log():
+            with srv.client() as client:
+                workers = client.get("/workers").json()["workers"]
+            assert sum(w["is_healthy"] for w in workers) == 2, workers
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"the router did not register the workers in time:\n{srv.log()}")
 
 
 def _worker_pids(srv) -> dict[int, int]:
