@@ -1,7 +1,8 @@
-"""GGUF weights served as stored (`--quantization gguf`) against dequantized (`none`), one process.
+"""GGUF weights served as stored (`--quantization gguf`) and weight-only int8 (`int8`) against
+dequantized (`none`), one process.
 
-For each batch size, builds two schedulers on the default model (or `--model`, a
-GGUF file), one per quantization, gives both the same greedy requests, runs their
+For each batch size, builds one scheduler per quantization on the default model (or
+`--model`, a GGUF file), gives each the same greedy requests, runs their
 prefill, then alternates blocks of decode steps between them so that the
 machine's drift hits both alike. Prints a markdown table: the median and minimum
 decode step (ms), the bytes of the weights held in memory, and the ratios.
@@ -33,7 +34,7 @@ from arborlm.runtime.layers.quantization.gguf_loader import weight_bytes  # noqa
 from arborlm.runtime.scheduler import Scheduler  # noqa: E402
 from arborlm.sampling_params import SamplingParams  # noqa: E402
 
-VARIANTS = ("gguf", "none")
+VARIANTS = ("gguf", "int8", "none")
 
 
 def make_scheduler(quantization: str, batch_size: int, args: argparse.Namespace) -> Scheduler:
@@ -84,12 +85,12 @@ def main() -> None:
         for name, sched in schedulers.items():
             mb = weight_bytes(sched.model_runner.model) / 1e6
             print(f"| {batch_size} | {name} | {mb:.1f} | {median[name]:.2f} | {min(step_ms[name]):.2f} |")
-        ratios.append((batch_size, median["gguf"] / median["none"]))
+        ratios.append((batch_size, median["gguf"] / median["none"], median["int8"] / median["none"]))
         weights = [weight_bytes(s.model_runner.model) for s in schedulers.values()]
         del schedulers
-    for batch_size, ratio in ratios:
-        print(f"batch {batch_size}: decode step gguf / none = {ratio:.2f}x")
-    print(f"weights held: gguf / none = {weights[0] / weights[1]:.2f}x")
+    for batch_size, gguf_ratio, int8_ratio in ratios:
+        print(f"batch {batch_size}: decode step gguf / none = {gguf_ratio:.2f}x, int8 / none = {int8_ratio:.2f}x")
+    print(f"weights held: gguf / none = {weights[0] / weights[2]:.2f}x, int8 / none = {weights[1] / weights[2]:.2f}x")
 
 
 if __name__ == "__main__":
