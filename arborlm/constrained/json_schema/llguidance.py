@@ -7,6 +7,13 @@ schema as the user wrote it after `llguidance_rewrite`. Each rewrite below
 keeps the schema's language exactly (the same instances validate), except the
 ``format`` one, which only widens an annotation:
 
+- Keywords beside a ``$ref`` that cannot constrain: up to draft 7 all of them
+  (the drafts ignore them) but the definitions, later only annotations
+  (``title``, ``description``...). llguidance refuses a cycle of references
+  through a ``$ref`` with siblings (13 of the 60 WashingtonPost schemas).
+- A ``type`` beside ``anyOf`` / ``oneOf`` whose branches are local references
+  to schemas of that type already: removed (llguidance intersects each
+  branch with it, and cannot on a cycle of references).
 - ``format`` llguidance does not know: left out. ``format`` is an annotation in
   JSON Schema 2020-12 and arborlm validates outputs without a format checker,
   so refusing the schema would refuse something nobody checks.
@@ -46,6 +53,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import urllib.parse
 from typing import Any
 
 from arborlm.constrained.json_schema.nodes import TYPES
@@ -63,6 +71,13 @@ _ONE = ("additionalProperties", "additionalItems", "items", "contains", "propert
         "else", "unevaluatedProperties", "unevaluatedItems")
 _LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+# Drafts in which a $ref's siblings are ignored (04, 06, 07; 03 too).
+_LEGACY_DIALECT = re.compile(r"draft-0[3-7]/")
+# Keywords that only annotate.
+_ANNOTATIONS = frozenset({"title", "description", "$comment", "examples", "default", "deprecated", "readOnly",
+                          "writeOnly"})
+# Keywords whose value is a JSON value, not a schema.
+_VALUE_KEYWORDS = frozenset({"enum", "const", "default", "examples"})
 # Keywords applying other subschemas to the same instance (unevaluated* sees what they evaluate).
 _IN_PLACE = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef", "$recursiveRef",
              "dependentSchemas", "dependencies")
@@ -70,18 +85,81 @@ _IN_PLACE = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$d
 
 def llguidance_rewrite(schema: Any) -> Any:
     """``schema`` (parsed JSON, changed in place) as llguidance compiles it (see the module docstring)."""
-    _visit(schema)
+    drop_unknown_formats(schema)
+    legacy = isinstance(schema, dict) and bool(_LEGACY_DIALECT.search(str(schema.get("$schema", ""))))
+    _visit(schema, legacy)
+    if isinstance(schema, dict):
+        _visit_all(schema, lambda node: drop_implied_type(node, schema))
     return schema
 
 
-def _visit(schema: Any) -> None:
+def _visit_all(schema: Any, action) -> None:
+    """``action`` on every subschema of ``schema`` (schema positions, as `_visit`), innermost first."""
+    if not isinstance(schema, dict):
+        return
+    for sub in _subschemas(schema):
+        _visit_all(sub, action)
+    action(schema)
+
+
+def drop_implied_type(schema: dict, root: dict) -> None:
+    """Remove a ``type`` beside ``anyOf`` / ``oneOf`` when every branch is a local ``$ref`` whose
+    target has that type already (the intersection changes nothing).
+
+    llguidance intersects each branch with the sibling, and refuses it on a cycle
+    of references ("circular references with sibling keys").
+    """
+    if "type" not in schema or set(schema) - {"type", "anyOf", "oneOf"} - _ANNOTATIONS:
+        return
+    allowed = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+    branches = [b for k in ("anyOf", "oneOf") for b in (schema.get(k) or [])]
+    if not branches:
+        return
+    for branch in branches:
+        target = _local_target(root, branch.get("$ref")) if isinstance(branch, dict) and set(branch) == {"$ref"} \
+            else None
+        types = target.get("type") if isinstance(target, dict) else None
+        types = types if isinstance(types, list) else [types]
+        if types == [None] or not all(t in allowed or (t == "integer" and "number" in allowed) for t in types):
+            return
+    del schema["type"]
+
+
+def _local_target(root: dict, ref: Any) -> Any:
+    """The subschema a ``#/json/pointer`` reference names inside ``root`` (None for any other reference)."""
+    if not isinstance(ref, str) or not ref.startswith("#/"):
+        return None
+    node: Any = root
+    for part in ref[2:].split("/"):
+        part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _visit(schema: Any, legacy: bool) -> None:
     """Rewrite ``schema`` and, first, every subschema in it (in place)."""
     if not isinstance(schema, dict):
         return
     for sub in _subschemas(schema):
-        _visit(sub)
+        _visit(sub, legacy)
+    drop_ref_siblings(schema, legacy)
     for rewrite in _REWRITES:
         rewrite(schema)
+
+
+def drop_ref_siblings(schema: dict, legacy: bool) -> None:
+    """Remove the keywords beside a ``$ref`` that do not constrain: all of them up to draft 7 (where
+    they are ignored) but the definitions, annotations only in later drafts.
+
+    llguidance refuses a cycle of references through a ``$ref`` with siblings.
+    """
+    if "$ref" not in schema:
+        return
+    for key in list(schema):
+        if key != "$ref" and key not in ("definitions", "$defs") and (legacy or key in _ANNOTATIONS):
+            del schema[key]
 
 
 def _subschemas(schema: dict):
@@ -96,10 +174,24 @@ def _subschemas(schema: dict):
             yield from schema[keyword].values()
 
 
-def drop_unknown_formats(schema: dict) -> None:
-    """Remove a ``format`` llguidance does not know (`LLGUIDANCE_FORMATS`) from this subschema."""
-    if isinstance(schema.get("format"), str) and schema["format"] not in LLGUIDANCE_FORMATS:
-        del schema["format"]
+def drop_unknown_formats(node: Any) -> None:
+    """Remove every string ``format`` llguidance does not know (`LLGUIDANCE_FORMATS`) under ``node``.
+
+    Every object is visited but JSON values (``enum``, ``const``, ``default``,
+    ``examples``): a ``$ref`` may point anywhere, into an unknown keyword too. A
+    property called ``format`` is a schema (an object), never a string, so it stays.
+    """
+    if isinstance(node, list):
+        for item in node:
+            drop_unknown_formats(item)
+        return
+    if not isinstance(node, dict):
+        return
+    if isinstance(node.get("format"), str) and node["format"] not in LLGUIDANCE_FORMATS:
+        del node["format"]
+    for key, value in node.items():
+        if key not in _VALUE_KEYWORDS:
+            drop_unknown_formats(value)
 
 
 def drop_no_ops(schema: dict) -> None:
@@ -254,5 +346,5 @@ def lower_unevaluated(schema: dict) -> None:
         schema.setdefault("items", value)
 
 
-_REWRITES = (drop_unknown_formats, drop_no_ops, lower_unevaluated, lower_dependencies, lower_not,
+_REWRITES = (drop_no_ops, lower_unevaluated, lower_dependencies, lower_not,
              lower_property_names, lower_unique_items)
