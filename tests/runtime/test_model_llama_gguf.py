@@ -110,3 +110,34 @@ def test_without_the_factors_the_logits_differ(llama_gguf, tmp_path):
     (plain / "config.json").write_text(json.dumps(config))
     with pytest.raises(AssertionError):
         check_prompt_logits(plain, reference, LONG_PROMPTS)
+
+
+def _llama_meta(rope_freqs, **fields):
+    from arborlm.runtime.gguf_metadata import GGUFMetadata
+
+    base = {"llama.embedding_length": 64, "llama.attention.head_count": 4, "llama.rope.freq_base": 500_000.0,
+            "llama.context_length": 256}
+    return GGUFMetadata("m.gguf", "llama", {**base, **fields}, {}, {}, rope_freqs=rope_freqs)
+
+
+def test_llama3_factors_of_another_length_are_refused():
+    from arborlm.errors import ModelLoadError
+    from arborlm.runtime.gguf_config import _llama_fields
+
+    with pytest.raises(ModelLoadError, match="rope_freqs has 3 factors for a rotary dim of 16"):
+        _llama_fields(_llama_meta([1.0, 2.0, 8.0]))
+
+
+def test_rope_freqs_beside_a_scaling_key_is_refused():
+    from arborlm.errors import ModelLoadError
+    from arborlm.runtime.gguf_config import _llama_fields
+
+    factors = llama3_rope_freqs(500_000.0, 16, META_LLAMA3)
+    with pytest.raises(ModelLoadError, match="llama.rope.scaling.type"):
+        _llama_fields(_llama_meta(factors, **{"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 2.0}))
+
+
+def test_all_ones_is_plain_rope():
+    from arborlm.runtime.gguf_config import _llama_fields
+
+    assert _llama_fields(_llama_meta([1.0] * 8))["rope_parameters"]["rope_type"] == "default"

@@ -35,6 +35,7 @@ from tests.runtime.family_helpers import (  # noqa: E402
 from tests.runtime.gguf_writer import write_gguf  # noqa: E402
 from tests.runtime.model_helpers import ModelHarness  # noqa: E402
 from tests.runtime.test_model_gemma3_phi3_gguf import tiny_config  # noqa: E402
+from tests.runtime.test_model_llama_gguf import META_LLAMA3  # noqa: E402
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 BLOCK = gguf.GGML_QUANT_SIZES[Q8_0][0]
@@ -42,7 +43,7 @@ INT8_NOISE = 0.05
 Q8_0_ERROR = 0.05
 # family -> how its tiny model is built (folder -> transformers model)
 FAMILIES = {
-    "llama": lambda folder: tiny_checkpoint(folder, "llama"),
+    "llama": lambda folder: tiny_checkpoint(folder, "llama", rope_parameters=META_LLAMA3),  # Llama 3.x: rope_freqs
     "qwen3": lambda folder: tiny_checkpoint(folder, "qwen3", head_dim=32),
     "qwen3_moe": lambda folder: tiny_checkpoint(
         folder, "qwen3_moe", num_experts=4, num_experts_per_tok=2, head_dim=16, moe_intermediate_size=64,
