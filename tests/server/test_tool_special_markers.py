@@ -191,3 +191,14 @@ def test_grammar_lets_the_marker_stop_then_forces_the_calls(fmt, base_dir):
     parsed = parse_whole(fmt, marker + call, plan.names)
     assert parsed.content is None and [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
         ("get_weather", {"city": "Paris", "days": 3})]
+
+
+def test_two_choices_with_logprobs_join_both_steps(client):
+    """n=2: each choice goes on after its marker; the logprobs of both steps join, one per token."""
+    out = client.chat.completions.create(n=2, logprobs=True, parallel_tool_calls=False, **KWARGS)
+    assert [c.finish_reason for c in out.choices] == ["tool_calls", "tool_calls"]
+    tokens = [len(c.logprobs.content) for c in out.choices]
+    assert sum(tokens) == out.usage.completion_tokens and min(tokens) > 2
+    for choice in out.choices:
+        (call,) = choice.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
