@@ -28,6 +28,7 @@ from arborlm.entrypoints.http_errors import install_error_handlers
 from arborlm.entrypoints.openai.response_store import ResponseStore
 from arborlm.entrypoints.openai.serving_chat import chat_completions
 from arborlm.entrypoints.openai.serving_completions import completions
+from arborlm.entrypoints.openai.serving_embeddings import router as embeddings_router
 from arborlm.entrypoints.openai.serving_responses import router as responses_router
 from arborlm.entrypoints.request_id import RequestIdMiddleware
 from arborlm.entrypoints.server_state import ServerState, get_state
@@ -63,6 +64,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
     app.include_router(responses_router)
+    app.include_router(embeddings_router)
     return app
 
 

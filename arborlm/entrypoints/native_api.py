@@ -195,7 +195,7 @@ async def get_model_info(request: Request) -> dict[str, Any]:
         "model_path": state.server_args.model.model_path or info.checkpoint,
         "tokenizer_path": info.checkpoint,
         "served_model_name": state.model_name,
-        "is_generation": True,
+        "is_generation": not state.server_args.model.is_embedding,
         "chat_template_roles": _chat_template_roles(state.tokenizer),
         **info.__dict__,
     }

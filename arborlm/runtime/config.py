@@ -88,6 +88,11 @@ class ModelConfig:
                           "none: dequantize to dtype; default gguf for a quantized GGUF file, else none "
                           "(SGLang's --quantization)"},
     )
+    is_embedding: bool = field(
+        default=False,
+        metadata={"help": "serve an embedding model: /v1/embeddings and /encode, prefill only, pooling from its "
+                          "sentence-transformers config (last token, normalized, without one); no generation"},
+    )
 
     def __post_init__(self):
         _check_types(self)

@@ -91,6 +91,10 @@ class ReqOutput:
     # Speculative decoding so far: verify steps the request took part in, draft tokens accepted.
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0
+    # Seconds from arrival in the scheduler to first admission (None before it is admitted).
+    queue_time_s: float | None = None
+    # An embedding request's pooled vector (`runtime/embedding.py`), sent with its finish.
+    embedding: list[float] | None = None
 
 
 @dataclass

@@ -418,6 +418,7 @@ def load_model(
     progress: bool | None = None,
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
+    is_embedding: bool = False,
 ) -> LoadedModel:
     """Build our model for `checkpoint` and load its weights.
 
@@ -439,11 +440,14 @@ def load_model(
     kv_cache_dtype: "auto", or an fp8 name of `memory_pool.KV_CACHE_DTYPES`: the
         model then attends through `QuantizedKVAttentionBackend` (K/V stored in fp8,
         read upcast), whatever `attention_backend` says.
+    is_embedding: serving embeddings (`--is-embedding`); then a bare decoder checkpoint
+        (`registry.BARE_MODELS`: no LM head) is loaded too, its head tied to the embedding.
 
     Raises
     ------
     ModelLoadError
-        For an unsupported architecture or missing / mismatched weights.
+        For an unsupported architecture or missing / mismatched weights, or a bare
+        decoder checkpoint without `is_embedding`.
     ValueError
         For an attention backend that cannot run on `device`.
     """
@@ -463,15 +467,40 @@ def load_model(
     attn_backend = create_attention_backend(attention_backend, device, ops if ops.native else None)
     if kv_cache_dtype != "auto":
         attn_backend = _quantized_kv_backend(kv_cache_dtype, device, ops if ops.native else None)
+    bare = _is_bare_decoder(checkpoint, is_embedding)
+    if bare:
+        hf_config.tie_word_embeddings = True  # no head in the checkpoint; embeddings never use it
     model = model_class(hf_config, dtype, device, attn_backend, ops)
     if gguf_file is None:
-        model.load_weights(iter_safetensors(checkpoint, progress))
+        weights = iter_safetensors(checkpoint, progress)
+        model.load_weights(_with_model_prefix(weights) if bare else weights)
     else:
         _load_gguf_quantized(model, gguf_file, hf_config, device, cpu_kernels)
     if quantization == "int8":
         _quantize_int8(model, device, cpu_kernels)
     model.eval()
     return LoadedModel(model=model, hf_config=hf_config, checkpoint=checkpoint, architecture=architecture)
+
+
+def _is_bare_decoder(checkpoint: Path, is_embedding: bool) -> bool:
+    """True for a checkpoint whose config.json names a bare decoder (`registry.BARE_MODELS`).
+
+    Raises
+    ------
+    ModelLoadError: such a checkpoint served for generation (it has no LM head).
+    """
+    names = json.loads((checkpoint / "config.json").read_text()).get("architectures") or []
+    bare = bool(names) and names[0] in registry.BARE_MODELS
+    if bare and not is_embedding:
+        raise ModelLoadError(f"{str(checkpoint)!r} is a bare {names[0]} (no LM head): serve it as an embedding "
+                             "model with --is-embedding")
+    return bare
+
+
+def _with_model_prefix(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A bare decoder's weight names as the causal LM's ("layers.0..." -> "model.layers.0...")."""
+    for name, tensor in weights:
+        yield (name if name.startswith("model.") else f"model.{name}"), tensor
 
 
 def _load_gguf_quantized(model: torch.nn.Module, gguf_file: Path, hf_config, device: torch.device, native: bool):

@@ -71,6 +71,7 @@ class ModelRunner:
             checkpoint, self.dtype, self.device, server_args.model.attention_backend,
             cpu_kernels=not server_args.model.disable_cpu_kernels, gguf_file=gguf_file,
             quantization=server_args.model.quantization, kv_cache_dtype=server_args.cache.kv_cache_dtype,
+            is_embedding=server_args.model.is_embedding,
         )
         self.model, self.hf_config, self.checkpoint = loaded.model, loaded.hf_config, loaded.checkpoint
         self.architecture = loaded.architecture

@@ -84,8 +84,10 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.model_info = worker.model_info
         cache = server_args.cache
+        # An embedding server keeps no prefix cache: mean and CLS pooling need every prompt token's state.
+        no_radix = cache.disable_radix_cache or server_args.model.is_embedding
         self.kv = KVManager(
-            worker.req_to_token_pool, worker.token_to_kv_pool_allocator, cache.page_size, cache.disable_radix_cache,
+            worker.req_to_token_pool, worker.token_to_kv_pool_allocator, cache.page_size, no_radix,
             host_pool=make_host_pool(cache, worker.token_to_kv_pool), kv_pool=worker.token_to_kv_pool,
         )
         sched = server_args.scheduler
@@ -455,7 +457,7 @@ class Scheduler:
             self.output_processor.add_prompt_logprobs(req, prompt_logprobs)
             if is_extend and id(req) not in running:  # a decode token riding along adds nothing to share
                 self.kv.cache_prefilled_prefix(req)
-        outputs = self._finish_prefill_only(batch)
+        outputs = self._finish_prefill_only(batch, result.embeddings)
         sampled = [batch.reqs[i] for i in batch.sample_rows]
         invalid = set(result.invalid_rows)
         for j, (req, token_id, logprob_info) in enumerate(zip(sampled, result.next_token_ids, result.logprob_infos)):
@@ -514,8 +516,9 @@ class Scheduler:
         self.running = [r for r in self.running if not r.finished and r not in self.jump_forward_reqs]
         return outputs
 
-    def _finish_prefill_only(self, batch: ScheduleBatch) -> list[ReqOutput]:
-        """Finish the requests that asked for no new token once their prompt is in the cache."""
+    def _finish_prefill_only(self, batch: ScheduleBatch, embeddings: list | None = None) -> list[ReqOutput]:
+        """Finish the requests that asked for no new token once their prompt is in the cache;
+        on an embedding server each output carries its request's vector (`embeddings`, per request)."""
         outputs = []
         sampled = set(batch.sample_rows)
         for i, req in enumerate(batch.reqs):
@@ -523,6 +526,8 @@ class Scheduler:
                 continue
             req.finish_reason = {"type": "length", "length": 0}
             outputs.append(self.output_processor.make_output(req, []))
+            if embeddings is not None:
+                outputs[-1].embedding = embeddings[i]
             self.kv.release_req(req)
         return outputs
 

@@ -111,6 +111,7 @@ class SchedulerOutputProcessor:
             cached_tokens=req.cached_tokens,
             spec_verify_ct=req.spec_verify_ct,
             spec_accepted_tokens=req.spec_accepted_tokens,
+            queue_time_s=req.admitted_time - req.created_time if req.admitted_time else None,
         )
         if logprob_info is not None:
             # Tokens after the sampled one were forced by the grammar: probability 1 under the mask.

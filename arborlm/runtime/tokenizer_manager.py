@@ -140,12 +140,15 @@ class TokenizerManager:
         ------
         InvalidRequestError
             Empty prompt, prompt too long for the context, bad token ids or a bad
-            sampling field.
+            sampling field; generation on an embedding server (naming `model`).
         GrammarError
             (an `InvalidRequestError`) the constraint cannot be used.
         """
         input_ids = self.prompt_ids(obj)
         params = self._sampling_params(obj.sampling_params)
+        if self.server_args.model.is_embedding and params.max_new_tokens != 0:
+            raise InvalidRequestError("this server serves an embedding model (--is-embedding): it answers "
+                                      "/v1/embeddings and /encode, not generation", param="model")
         self._check_logprob_fields(obj)
         rid = obj.rid or uuid.uuid4().hex
         if not isinstance(rid, str):
@@ -356,7 +359,8 @@ class TokenizerManager:
         if out.finish_reason is not None:
             ttft = state.first_token_time - state.created_time if state.first_token_time is not None else None
             self.observer.on_finish(out.prompt_tokens, out.cached_tokens, out.completion_tokens,
-                                    now - state.created_time, out.finish_reason, ttft_s=ttft)
+                                    now - state.created_time, out.finish_reason, ttft_s=ttft,
+                                    queue_time_s=out.queue_time_s)
 
     def _check_grammar_output(self, state: ReqState, out: ReqOutput) -> None:
         """A constrained output that the grammar ended must satisfy the user's schema.
@@ -424,7 +428,10 @@ class TokenizerManager:
             meta["output_top_logprobs"] = list(state.output_top_logprobs)
             meta["input_token_logprobs"] = state.input_token_logprobs or []
             meta["input_top_logprobs"] = state.input_top_logprobs or []
-        return {"text": text, "output_ids": list(output_ids), "meta_info": meta}
+        result = {"text": text, "output_ids": list(output_ids), "meta_info": meta}
+        if out.embedding is not None:
+            result["embedding"] = out.embedding  # SGLang's /encode key
+        return result
 
     async def abort_request(self, rid: str) -> None:
         """Abort an in-flight request; its caller receives the `abort` finish."""

@@ -225,6 +225,12 @@ class LlamaForCausalLM(nn.Module):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden)).float()
 
+    @torch.inference_mode()
+    def hidden_states(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Run one extend step without the head: (num_new_tokens, hidden_size) states after the
+        final norm, what embedding models pool (`runtime/embedding.py`); K/V land in the pool."""
+        return self.model.norm(self.model(forward_batch))
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named weights in, fusing q/k/v and gate/up.
 

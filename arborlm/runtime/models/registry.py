@@ -58,6 +58,13 @@ TEXT_ONLY_MODELS: tuple[ModelEntry, ...] = (
     ),
 )
 _ALL_MODELS = MODELS + TEXT_ONLY_MODELS
+# Bare decoders (transformers' `XModel`: no LM head, weight names without "model."), what
+# sentence-transformers saves for an embedding model (e5-mistral, Qwen3-Embedding-style
+# checkpoints): served by the causal-LM class for embeddings only (`--is-embedding`).
+BARE_MODELS: dict[str, str] = {
+    "LlamaModel": "LlamaForCausalLM", "MistralModel": "MistralForCausalLM",
+    "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM",
+}
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(e.architecture for e in _ALL_MODELS)
 SUPPORTED_GGUF_ARCHS: tuple[str, ...] = tuple(e.gguf_arch for e in MODELS if e.gguf_arch is not None)
@@ -89,8 +96,8 @@ def entry(architecture: str) -> ModelEntry:
 def architecture_from_config(config: dict, source: str) -> str:
     """The supported architecture a config.json (as a dict) names.
 
-    The first of `config["architectures"]` that we serve; without that list, the one
-    registered for `config["model_type"]`.
+    The first of `config["architectures"]` that we serve (a bare decoder, `BARE_MODELS`, as
+    its causal LM); without that list, the one registered for `config["model_type"]`.
 
     Parameters
     ----------
@@ -102,7 +109,7 @@ def architecture_from_config(config: dict, source: str) -> str:
     ModelLoadError
         When none is supported, naming what the config says and the supported ones.
     """
-    names = list(config.get("architectures") or [])
+    names = [BARE_MODELS.get(n, n) for n in config.get("architectures") or []]
     if not names:
         names = [e.architecture for e in _ALL_MODELS if e.model_type == config.get("model_type")]
     for name in names:
