@@ -203,7 +203,7 @@ class ModelWorker:
         # The batch's sampling tensors, kept while the same requests decode on.
         self.sampling_info_cache = SamplingInfoCache()
         self.grammar_masker = GrammarMasker()
-        self.draft_verifier = DraftVerifier(self.sampler, self.model_info.vocab_size, self._eos_ids)
+        self.draft_verifier = DraftVerifier(self.model_info.vocab_size, self._eos_ids)
         # --is-embedding: every step pools hidden states instead of sampling (`runtime/embedding.py`)
         self.embedder = (Embedder(model_runner.model, read_pooling_config(model_runner.checkpoint))
                          if model_runner.server_args.model.is_embedding else None)
@@ -250,7 +250,8 @@ class ModelWorker:
 
     def verify_drafts(self, batch: ModelWorkerBatch, logits_output: LogitsOutput) -> GenerationResult:
         """A speculative verify step: the target's tokens at every draft position, greedy
-        acceptance (`speculative.verify`); `accept_lens` says how many each request took."""
+        acceptance or rejection sampling (`speculative.verify`); `accept_lens` says how many
+        each request took."""
         out = self.draft_verifier.verify(batch.reqs, batch.draft_tokens, logits_output.full_logits)
         infos = [None if lp is None else LogprobInfo(*lp) for lp in out.logprobs]
         return GenerationResult(out.token_ids, infos, [None] * len(batch.reqs), out.accept_lens, out.invalid_rows)

@@ -104,8 +104,7 @@ class Speculator:
         return drafts if any(drafts) else None
 
     def _draft(self, req: Req, free_slots: int) -> list[int]:
-        # Sampled requests need rejection sampling to keep their distribution (not here yet).
-        if req.to_abort or not req.sampling_params.is_greedy or free_slots <= 0:
+        if req.to_abort or free_slots <= 0:
             return []
         state = self._state(req)
         state.last_draft_len = 0

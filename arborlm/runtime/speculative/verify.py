@@ -1,15 +1,25 @@
-"""Verify drafts in one step: the target's token at every draft position, then greedy acceptance.
+"""Verify drafts in one step: the target's distribution at every draft position, then acceptance.
 
 The scheduler ran each request's last token and its draft ``d`` (k tokens) as
 one extend chain of ``1 + k`` tokens over its paged KV (the causal mask of the
 ordinary extend kernels is exactly a chain's verify mask), with logits at
 every position. Row ``j`` of a request's chain scores the token after
-``d[:j]``; the target token ``t[j]`` is what the sampler would have picked
-there in a plain decode step: the same grammar mask (the matcher advanced over
-``d[:j]``, then rolled back), the same penalties and ``min_new_tokens`` (over
-``output_ids + d[:j]``), the same argmax. Greedy acceptance (Leviathan et al.
-2023, Chen et al. 2023) keeps ``t[0..n]`` where ``n`` is the longest prefix
-with ``d[:n] == t[:n]``: the output equals speculation off, token for token.
+``d[:j]``, processed as a plain decode step there would process it: the same
+grammar mask (the matcher advanced over ``d[:j]``, then rolled back), the same
+penalties, logit bias and ``min_new_tokens`` (over ``output_ids + d[:j]``),
+the same temperature and top-k / top-p / min-p.
+
+* Greedy requests keep ``t[0..n]`` (``t[j]`` the argmax of row j) where ``n``
+  is the longest prefix with ``d[:n] == t[:n]``: token-identical to speculation off.
+* Sampled requests use rejection sampling (Leviathan et al. 2023, Chen et al.
+  2023) with the n-gram draft as a point mass ``q = δ(d[j])``: draft token
+  ``d[j]`` is accepted with probability ``p_j(d[j])``; on the first rejection
+  the token is drawn from the residual ``max(p_j - q, 0)``, i.e. ``p_j``
+  without ``d[j]``, renormalised, and the chain ends; when all are accepted
+  the next token is drawn from ``p_k``. Every emitted token is then
+  distributed exactly as ``p`` (the target's sampling distribution). Draws use
+  the request's own generator, so the same seed and drafts give the same
+  output whatever else shares the batch.
 """
 
 from __future__ import annotations
@@ -20,7 +30,16 @@ from dataclasses import dataclass
 import torch
 
 from arborlm.constrained.base import allocate_vocab_mask, apply_vocab_mask
-from arborlm.runtime.sampling import Sampler, SamplingBatchInfo, make_generator
+from arborlm.runtime.sampling import (
+    SamplingBatchInfo,
+    apply_logit_bias,
+    apply_min_new_tokens,
+    apply_penalties,
+    compute_logprobs,
+    filter_probs,
+    invalid_logit_rows,
+    make_generator,
+)
 from arborlm.runtime.schedule_batch import Req
 
 
@@ -33,7 +52,8 @@ class VerifyOutput:
     accept_lens: tokens emitted per request, >= 1 (1 when its draft was empty,
         wholly rejected, or its row was invalid).
     logprobs: per emitted token, (logprob, token id, top alternatives) when its
-        request asked for logprobs, else None.
+        request asked for logprobs, else None (the logprob is the target's, at
+        temperature 1 after penalties and masks, as the sampler reports it).
     invalid_rows: requests whose first row was not finite (aborted by the scheduler).
     """
 
@@ -59,55 +79,94 @@ def accept_greedy(draft: list[int], targets: list[int], first_invalid: int | Non
     return emitted
 
 
-class DraftVerifier:
-    """Target tokens at each draft position and greedy acceptance (see the module docstring).
+def rejection_sample(draft: list[int], probs: torch.Tensor, generator: torch.Generator) -> list[int]:
+    """Tokens emitted for one sampled request (see the module docstring).
 
     Parameters
     ----------
-    sampler: the worker's sampler (the target's own choice rules).
+    draft: the k draft tokens (a point-mass proposal each).
+    probs: (k + 1, V) float32, the target's sampling probabilities per chain row
+        (unnormalised is fine), every row finite with a positive sum.
+    generator: the request's generator; it advances by one uniform per
+        accepted draft token and one multinomial draw at the end.
+
+    Returns
+    -------
+    list[int]
+        The accepted draft tokens, then one token from the residual (on a
+        rejection) or from the last row (all accepted): 1 to k + 1 tokens.
+    """
+    out: list[int] = []
+    for j, token_id in enumerate(draft):
+        row = probs[j] / probs[j].sum()
+        u = torch.rand((), generator=generator, device=row.device)
+        if float(u) < float(row[token_id]):
+            out.append(token_id)
+            continue
+        residual = row.clone()
+        residual[token_id] = 0.0
+        out.append(int(torch.multinomial(residual, 1, generator=generator)[0]))
+        return out
+    out.append(int(torch.multinomial(probs[len(draft)], 1, generator=generator)[0]))
+    return out
+
+
+class DraftVerifier:
+    """Target tokens at each draft position and their acceptance (see the module docstring).
+
+    Parameters
+    ----------
     vocab_size: the model's vocabulary (logits width).
     eos_ids: a request's EOS ids for ``min_new_tokens`` masking (the worker's rule).
     """
 
-    def __init__(self, sampler: Sampler, vocab_size: int, eos_ids: Callable[[Req], list[int]]):
-        self.sampler = sampler
+    def __init__(self, vocab_size: int, eos_ids: Callable[[Req], list[int]]):
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
 
     def verify(self, reqs: list[Req], drafts: list[list[int]], full_logits: torch.Tensor) -> VerifyOutput:
-        """Pick the target token at every row and accept greedily.
+        """Process every chain row as a decode step would, then accept per request.
 
         Parameters
         ----------
         reqs: the step's requests, in row order.
-        drafts: per request, its draft tokens (greedy requests only may have any).
+        drafts: per request, its draft tokens.
         full_logits: (sum(1 + len(d)), V) float32, the chain rows of each request in turn.
         """
-        rows = [len(d) + 1 for d in drafts]
-        assert full_logits.shape[0] == sum(rows), "one logits row per chain token"
+        num_rows = sum(len(d) + 1 for d in drafts)
+        assert full_logits.shape[0] == num_rows, "one logits row per chain token"
         logits = full_logits.float().clone()
         self._apply_grammar_masks(reqs, drafts, logits)
-        row_reqs = [req for req, n in zip(reqs, rows) for _ in range(n)]
-        virtual_outputs = [req.output_ids + d[:j] for req, d in zip(reqs, drafts) for j in range(len(d) + 1)]
-        out = self._sample(row_reqs, virtual_outputs, logits)
-        token_ids = out.next_token_ids.tolist()
-        invalid = set(out.invalid_rows)
+        row_reqs = [req for req, d in zip(reqs, drafts) for _ in range(len(d) + 1)]
+        info = self._batch_info(row_reqs, logits.device)
+        outputs = [req.output_ids + d[:j] for req, d in zip(reqs, drafts) for j in range(len(d) + 1)]
+        logits = self._process_logits(logits, info, row_reqs, outputs)
+        row_max = logits.max(dim=-1)
+        invalid = set(invalid_logit_rows(logits, row_max.values))
+        argmax = row_max.indices.tolist()
+        probs = self._sampling_probs(logits, info, invalid)
         emitted_ids: list[int] = []
+        emitted_rows: list[int] = []
         accept_lens: list[int] = []
-        logprobs: list[tuple[float, int, list[tuple[float, int]]] | None] = []
         invalid_reqs = []
         offset = 0
         for i, (req, d) in enumerate(zip(reqs, drafts)):
-            targets = token_ids[offset : offset + len(d) + 1]
-            bad = [j for j in range(len(d) + 1) if offset + j in invalid]
+            rows = range(offset, offset + len(d) + 1)
+            bad = [j for j, r in enumerate(rows) if r in invalid]
             if bad and bad[0] == 0:
                 invalid_reqs.append(i)
-            n = accept_greedy(d, targets, bad[0] if bad else None)
-            emitted_ids.extend(targets[:n])
-            accept_lens.append(n)
-            for j in range(n):
-                logprobs.append(self._logprob(req, out, offset + j, targets[j]))
+                tokens = [argmax[offset]]  # meaningless: the scheduler aborts the request
+            elif req.sampling_params.is_greedy:
+                targets = argmax[offset : offset + len(d) + 1]
+                tokens = targets[: accept_greedy(d, targets, bad[0] if bad else None)]
+            else:
+                usable = bad[0] if bad else len(d) + 1  # rows before the first invalid one
+                tokens = rejection_sample(d[: usable - 1], probs[offset : offset + usable], req.generator)
+            emitted_ids.extend(tokens)
+            emitted_rows.extend(range(offset, offset + len(tokens)))
+            accept_lens.append(len(tokens))
             offset += len(d) + 1
+        logprobs = self._logprobs(row_reqs, logits, emitted_rows, emitted_ids)
         return VerifyOutput(emitted_ids, accept_lens, logprobs, tuple(invalid_reqs))
 
     def _apply_grammar_masks(self, reqs: list[Req], drafts: list[list[int]], logits: torch.Tensor) -> None:
@@ -128,6 +187,7 @@ class DraftVerifier:
                     rows.append(offset + j)
                     if j < len(d):
                         if not req.grammar.accept_token(d[j]):
+                            req.grammar.rollback(accepted)
                             raise RuntimeError(f"request {req.rid}: the grammar rejected draft token {d[j]}")
                         accepted += 1
                 req.grammar.rollback(accepted)
@@ -135,31 +195,60 @@ class DraftVerifier:
         if mask is not None:
             apply_vocab_mask(logits, mask, rows)
 
-    def _sample(self, row_reqs: list[Req], outputs: list[list[int]], logits: torch.Tensor):
-        """The sampler over every chain row, each with its request's params and the output
-        it would have had there (penalties, min_new_tokens)."""
+    def _batch_info(self, row_reqs: list[Req], device: torch.device) -> SamplingBatchInfo:
         for req in row_reqs:
             if req.generator is None:
-                req.generator = make_generator(req.seed, logits.device)
-        info = SamplingBatchInfo.from_params(
-            [r.sampling_params for r in row_reqs], [r.seed for r in row_reqs], self.vocab_size, logits.device,
+                req.generator = make_generator(req.seed, device)
+        return SamplingBatchInfo.from_params(
+            [r.sampling_params for r in row_reqs], [r.seed for r in row_reqs], self.vocab_size, device,
             [r.generator for r in row_reqs],
         )
-        return_logprob = any(r.return_logprob for r in row_reqs)
-        top_n = max((r.top_logprobs_num for r in row_reqs if r.return_logprob), default=0)
-        return self.sampler(
-            logits,
-            info,
-            output_ids_list=outputs,
-            prompt_ids_list=[r.origin_input_ids for r in row_reqs] if info.need_repetition_penalty else None,
-            eos_ids_list=[self.eos_ids(r) for r in row_reqs] if info.need_min_new_tokens else None,
-            top_logprobs_num=top_n,
-            return_logprob=return_logprob,
-        )
+
+    def _process_logits(self, logits: torch.Tensor, info: SamplingBatchInfo, row_reqs: list[Req],
+                        outputs: list[list[int]]) -> torch.Tensor:
+        """Penalties, logit bias and min_new_tokens per row, in the sampler's order (in place)."""
+        if info.need_repetition_penalty or info.need_frequency_presence_penalty:
+            prompts = [r.origin_input_ids for r in row_reqs] if info.need_repetition_penalty else None
+            apply_penalties(logits, info, outputs, prompts)
+        if info.need_logit_bias:
+            apply_logit_bias(logits, info)
+        if info.need_min_new_tokens:
+            apply_min_new_tokens(logits, info, [self.eos_ids(r) for r in row_reqs], [len(o) for o in outputs])
+        return logits
 
     @staticmethod
-    def _logprob(req: Req, out, row: int, token_id: int) -> tuple[float, int, list[tuple[float, int]]] | None:
-        if not req.return_logprob:
+    def _sampling_probs(logits: torch.Tensor, info: SamplingBatchInfo, invalid: set[int]) -> torch.Tensor | None:
+        """(rows, V) the probabilities sampled rows draw from (temperature, top-k/p, min-p);
+        None when every row is greedy. Rows with non-finite probabilities join `invalid`."""
+        if info.all_greedy:
             return None
-        top = out.top_logprobs.top_pairs(row, req.top_logprobs_num) if req.top_logprobs_num else []
-        return float(out.logprobs[row]), token_id, top
+        safe = logits.clone()
+        if invalid:
+            safe[list(invalid)] = 0.0
+        probs = torch.softmax(safe / info.temperatures, dim=-1)
+        if info.need_top_k or info.need_top_p or info.need_min_p:
+            probs = filter_probs(probs, info)
+        rows = info.sampled_rows
+        ok = (torch.isfinite(probs[rows]).all(dim=-1) & (probs[rows].sum(dim=-1) > 0)).tolist()
+        invalid.update(r for r, good in zip(rows, ok) if not good)
+        return probs
+
+    @staticmethod
+    def _logprobs(row_reqs: list[Req], logits: torch.Tensor, rows: list[int], token_ids: list[int]):
+        wanted = [r for r in rows if row_reqs[r].return_logprob]
+        if not wanted:
+            return [None] * len(rows)
+        top_n = max(row_reqs[r].top_logprobs_num for r in wanted)
+        index = {r: i for i, r in enumerate(wanted)}
+        ids = torch.tensor([t for r, t in zip(rows, token_ids) if row_reqs[r].return_logprob])
+        lp = compute_logprobs(logits[wanted], ids, top_n)
+        out = []
+        for r, t in zip(rows, token_ids):
+            req = row_reqs[r]
+            if not req.return_logprob:
+                out.append(None)
+                continue
+            i = index[r]
+            top = lp.top_pairs(i, req.top_logprobs_num) if req.top_logprobs_num else []
+            out.append((float(lp.logprobs[i]), t, top))
+        return out
