@@ -79,8 +79,10 @@ class HostKVPool:
         if storage_backend == "file":
             self.k_buffer, self.v_buffer = (self._mapped(shape, dtype, file_dir) for _ in range(2))
         else:
+            # empty, not zeros: a host slot is always written (backed up) before it is read, and
+            # untouched pages of a large tier then cost no memory.
             self.k_buffer, self.v_buffer = (
-                torch.zeros(shape, dtype=dtype, pin_memory=pin_memory) for _ in range(2)
+                torch.empty(shape, dtype=dtype, pin_memory=pin_memory) for _ in range(2)
             )
 
     @staticmethod
