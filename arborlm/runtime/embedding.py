@@ -92,6 +92,7 @@ class Embedder:
         if not last:
             self._partial = _Partial(rid, part.clone(), count)
             return None
-        self._partial = None
+        if self._partial is not None and self._partial.rid == rid:
+            self._partial = None  # (a request finished in this step beside a chunked one keeps its partial)
         return part / count if mean else part
 
