@@ -295,17 +295,47 @@ def make_request(i: int, prompt_len: int, vocab: int, max_new_tokens: int, param
 
 
 def run_steps(scheduler: Scheduler, front: FrontSide, num_steps: int, timer: PartTimer,
-              bare: list[float]) -> None:
-    """`num_steps` pairs of steps: one bare (timed whole), one instrumented (part by part)."""
+              bare: list[float], baseline: Baseline | None = None) -> None:
+    """`num_steps` rounds of a bare step (timed whole), with `baseline` one more bare step
+    on the baseline path (into `baseline.bare`), then an instrumented step (part by part)."""
     for _ in range(num_steps):
-        start = time.perf_counter()
-        outputs = scheduler.step()
-        front.handle(outputs, None)
-        bare.append(time.perf_counter() - start)
+        bare.append(timed_step(scheduler, front))
+        if baseline is not None:
+            with baseline.active():
+                baseline.bare.append(timed_step(scheduler, front))
         with instrumented(scheduler, timer):
             outputs = scheduler.step()
         front.handle(outputs, timer)
         timer.end_step()
+
+
+def timed_step(scheduler: Scheduler, front: FrontSide) -> float:
+    start = time.perf_counter()
+    front.handle(scheduler.step(), None)
+    return time.perf_counter() - start
+
+
+@dataclass
+class Baseline:
+    """The linear layers on oneDNN where they would take `linear_avx512`'s kernel: the
+    same run's baseline for that kernel (`--baseline onednn`)."""
+
+    model: torch.nn.Module
+    bare: list[float] = field(default_factory=list)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        from arborlm.kernels.linear_avx512 import Avx512Weight
+
+        swapped = [m for m in self.model.modules() if isinstance(getattr(m, "packed_weight", None), Avx512Weight)]
+        kept = [m.packed_weight for m in swapped]
+        for m in swapped:
+            m.packed_weight = m.packed_weight.onednn
+        try:
+            yield
+        finally:
+            for m, packed in zip(swapped, kept):
+                m.packed_weight = packed
 
 
 def admit(scheduler: Scheduler, front: FrontSide, reqs: list[TokenizedGenerateReqInput]) -> None:
@@ -333,9 +363,10 @@ def bench_decode(scheduler: Scheduler, front: FrontSide, batch: int, args, param
     timer, bare = PartTimer(), []
     timer.calibrate()
     seq_lens = [r.seqlen for r in scheduler.running]
-    run_steps(scheduler, front, args.steps, timer, bare)
+    baseline = Baseline(scheduler.model_runner.model) if args.baseline == "onednn" else None
+    run_steps(scheduler, front, args.steps, timer, bare, baseline)
     drain(scheduler)
-    return summarise(scheduler, f"decode, batch {batch}", timer, bare, seq_lens)
+    return summarise(scheduler, f"decode, batch {batch}", timer, bare, seq_lens, baseline)
 
 
 def bench_mixed(scheduler: Scheduler, front: FrontSide, args, params: dict) -> dict:
@@ -348,24 +379,28 @@ def bench_mixed(scheduler: Scheduler, front: FrontSide, args, params: dict) -> d
     timer, bare = PartTimer(), []
     timer.calibrate()
     seq_lens = [r.seqlen for r in scheduler.running] + [args.prompt_len]
+    baseline = Baseline(scheduler.model_runner.model) if args.baseline == "onednn" else None
+    kinds = ["bare", "baseline", "instrumented"] if baseline is not None else ["bare", "instrumented"]
     for j in range(args.steps):
-        for k, record in ((0, None), (1, timer)):
-            new = make_request(100 + 2 * j + k, args.prompt_len, vocab, 1, params)
-            admit(scheduler, front, [new])
-            start = time.perf_counter()
-            if record is None:
-                front.handle(scheduler.step(), None)
-                bare.append(time.perf_counter() - start)
+        for k, kind in enumerate(kinds):
+            admit(scheduler, front, [make_request(100 + 3 * j + k, args.prompt_len, vocab, 1, params)])
+            if kind == "bare":
+                bare.append(timed_step(scheduler, front))
+            elif kind == "baseline":
+                with baseline.active():
+                    baseline.bare.append(timed_step(scheduler, front))
             else:
                 with instrumented(scheduler, timer):
                     outputs = scheduler.step()
                 front.handle(outputs, timer)
                 timer.end_step()
     drain(scheduler)
-    return summarise(scheduler, f"mixed: 1 x {args.prompt_len} prefill + 8 decode", timer, bare, seq_lens)
+    name = f"mixed: 1 x {args.prompt_len} prefill + 8 decode"
+    return summarise(scheduler, name, timer, bare, seq_lens, baseline)
 
 
-def summarise(scheduler: Scheduler, name: str, timer: PartTimer, bare: list[float], seq_lens: list[int]) -> dict:
+def summarise(scheduler: Scheduler, name: str, timer: PartTimer, bare: list[float], seq_lens: list[int],
+              baseline: Baseline | None = None) -> dict:
     parts = [derive_parts(raw, counts, timer.outside_s) for raw, counts in timer.steps]
     medians = {k: statistics.median(p.get(k, 0.0) for p in parts) for k in PARTS}
     return {
@@ -374,6 +409,7 @@ def summarise(scheduler: Scheduler, name: str, timer: PartTimer, bare: list[floa
         "context_tokens": sum(seq_lens),
         "kv_bytes": kv_bytes(scheduler, seq_lens),
         "bare_step_s": statistics.median(bare),
+        "baseline_bare_step_s": statistics.median(baseline.bare) if baseline is not None else None,
         "instrumented_step_s": statistics.median(sum(p.values()) for p in parts),
         "parts_s": medians,
         "hook_overhead_us": (timer.inside_s * 1e6, timer.outside_s * 1e6),
@@ -407,6 +443,11 @@ def markdown(results: list[dict], bandwidth_gbs: float, weight_bytes: int, meta:
         lines.append(f"| {label} | " + " | ".join(f"{v * 1e3:.2f}" for v in values) + " |")
     lines.append("| **bare step / floor** | " + " | ".join(
         f"{r['bare_step_s'] / f:.2f}x" for r, f in zip(results, floors)) + " |")
+    if results and results[0]["baseline_bare_step_s"] is not None:
+        lines.append("| step, bare, linears on oneDNN (interleaved) | " + " | ".join(
+            f"{r['baseline_bare_step_s'] * 1e3:.2f}" for r in results) + " |")
+        lines.append("| **bare step / oneDNN step** | " + " | ".join(
+            f"{r['bare_step_s'] / r['baseline_bare_step_s']:.2f}x" for r in results) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -422,6 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (as bench_serving's default)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--no-mixed", action="store_true", help="skip the mixed prefill step")
+    ap.add_argument("--baseline", choices=["none", "onednn"], default="none",
+                    help="onednn: also time, interleaved, bare steps with the linears on oneDNN "
+                         "where they take the AVX-512 kernel (kernels/linear_avx512.py)")
     ap.add_argument("--markdown-out", type=Path, default=None)
     ap.add_argument("--json-out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -435,9 +479,13 @@ def main(argv: list[str] | None = None) -> int:
     params = {"temperature": args.temperature, "top_p": args.top_p}
     try:
         bandwidth = copy_bandwidth_gbs()
-        results = [bench_decode(scheduler, front, int(b), args, params) for b in args.batch_sizes.split(",")]
+        results = []
+        for b in args.batch_sizes.split(","):
+            results.append(bench_decode(scheduler, front, int(b), args, params))
+            print(f"{results[-1]['name']}: bare step {results[-1]['bare_step_s'] * 1e3:.2f} ms", flush=True)
         if not args.no_mixed:
             results.append(bench_mixed(scheduler, front, args, params))
+            print(f"{results[-1]['name']}: bare step {results[-1]['bare_step_s'] * 1e3:.2f} ms", flush=True)
         bandwidth = max(bandwidth, copy_bandwidth_gbs())  # once more after, the VM drifts
     finally:
         front.close()

@@ -15,7 +15,9 @@ with one rounding to the tensor's dtype, as vLLM's and SGLang's CPU kernels do:
   per (request, KV head) straight from the pool,
 - `linear` for bf16 on CPUs with AMX: up to `AMX_MAX_ROWS` rows (decode steps)
   go through AMX tiles over a weight packed once at load (`pack_amx_weight`),
-  streaming the weights at the memory's speed; more rows go to oneDNN.
+  streaming the weights at the memory's speed; more rows go to oneDNN; on CPUs
+  with AVX-512 BF16 but no AMX, up to `linear_avx512.AVX512_MAX_ROWS` rows take
+  `linear_avx512`'s kernel (oneDNN's summation order on the default model).
 
 `LayerOps` is the same interface in plain torch ops: the fallback, and the oracle
 the native kernels are tested against. The library is compiled with the system
@@ -44,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from arborlm.envs import ENVS
-from arborlm.kernels import cpu_linear
+from arborlm.kernels import cpu_linear, linear_avx512
 
 logger = logging.getLogger(__name__)
 
@@ -296,6 +298,8 @@ class NativeLayerOps(LayerOps):
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
         self.amx = bool(lib.arborlm_amx_ready())
+        # Without AMX, decode-sized bf16 linears take the AVX-512 BF16 kernel where it builds.
+        self.avx512_lib = None if self.amx else linear_avx512.native_library()
 
     def pack_linear(self, weight):
         ok = (
@@ -303,10 +307,16 @@ class NativeLayerOps(LayerOps):
             and weight.shape[1] % AMX_STEP_K == 0
         )
         if not ok:
+            if self.avx512_lib is not None and linear_avx512.can_pack(weight):
+                return linear_avx512.pack_weight(weight, super().pack_linear(weight))
             return super().pack_linear(weight)
         return dataclasses.replace(pack_amx_weight(weight), onednn=super().pack_linear(weight))
 
     def linear(self, x, weight, bias, packed):
+        if isinstance(packed, linear_avx512.Avx512Weight):
+            if linear_avx512.fits(x, packed, bias):
+                return linear_avx512.linear(self.avx512_lib, x, packed, bias)
+            return super().linear(x, weight, bias, packed.onednn)
         if not isinstance(packed, AmxWeight):
             return super().linear(x, weight, bias, packed)
         ok = (

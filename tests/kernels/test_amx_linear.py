@@ -127,6 +127,7 @@ def test_without_amx_the_native_ops_keep_onednn(native_lib):
     with the torch ops, and the results are oneDNN's."""
     native = NativeLayerOps(native_lib)
     native.amx = False
+    native.avx512_lib = None  # nor AVX-512 BF16: that kernel has its own tests (test_linear_avx512.py)
     w, x = weight(96, 64), rows(4, 64)
     packed = native.pack_linear(w)
     assert not isinstance(packed, AmxWeight)
