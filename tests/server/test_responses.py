@@ -144,6 +144,20 @@ def test_previous_response_id_continues_from_the_cache(client):
     assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
 
 
+def test_tool_output_continues_a_previous_response(client):
+    """The call ids of a stored response are known to the next one: only the outputs are sent."""
+    first = client.responses.create(model="default", input="Weather?", tools=[WEATHER_TOOL], temperature=0,
+                                    tool_choice="required", parallel_tool_calls=False, max_output_tokens=64)
+    call = next(item for item in first.output if item.type == "function_call")
+    second = client.responses.create(
+        model="default", previous_response_id=first.id, tools=[WEATHER_TOOL],
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+        max_output_tokens=4, temperature=0)
+    assert second.status in ("completed", "incomplete") and second.output
+    # the same tools described the same way: the first prompt is a prefix of the second
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+
+
 def test_delete_then_404(client, http):
     resp = client.responses.create(model="default", input="Hi", max_output_tokens=2)
     client.responses.delete(resp.id)
