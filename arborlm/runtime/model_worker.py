@@ -94,8 +94,10 @@ class GenerationResult:
         (`return_logprob`), else None.
     prompt_logprobs: per request of the batch, the logprobs of the prompt
         tokens this step scored when it asked, else None.
-    accept_lens: reserved for speculative decoding, where a request may take
-        several tokens in one step; None means one token per sampled request.
+    accept_lens: on a speculative verify step, the tokens each request emitted
+        (`next_token_ids` and `logprob_infos` then hold them all, request after
+        request, and `invalid_rows` indexes requests); None means one token per
+        sampled request.
     invalid_rows: positions in `next_token_ids` whose logits or probabilities
         were not finite (NaN, inf, every token masked): the scheduler aborts
         those requests alone and ignores their token.

@@ -296,7 +296,8 @@ class Scheduler:
         self.prepare_decode_memory()
         batch = ScheduleBatch(list(self.running), ForwardMode.DECODE)
         if self.speculator is not None:
-            batch.draft_tokens = self.speculator.propose_drafts(batch.reqs, self.kv.available_size() - len(batch.reqs))
+            # Drafts take free slots only: evicting cached prefixes for a guess is a bad trade.
+            batch.draft_tokens = self.speculator.propose_drafts(batch.reqs, self.allocator.available_size() - len(batch.reqs))
         return batch
 
     def get_new_batch_prefill(self, alongside: list[Req] | None = None) -> ScheduleBatch | None:
