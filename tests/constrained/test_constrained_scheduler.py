@@ -272,7 +272,7 @@ def test_grammar_end_is_the_eos_token_on_both_backends(tiny_llama_dir, tiny_toke
     """outlines ended a request on the last content token ("s" of "yes"), xgrammar on the EOS it
     then forces: both now end on the EOS, so `matched_stop` is the EOS id on either backend."""
     outputs = {}
-    for backend in ("xgrammar", "outlines"):
+    for backend in ("xgrammar", "outlines", "llguidance"):
         s = create_scheduler(tiny_llama_dir, tiny_tokenizer, grammar_backend=backend)
         eos = set(s.model_info.eos_token_ids)
         reqs = [constrained_req(f"r{i}", seed=i, backend=backend, regex="(yes|no)", max_new_tokens=8) for i in range(4)]
@@ -283,10 +283,10 @@ def test_grammar_end_is_the_eos_token_on_both_backends(tiny_llama_dir, tiny_toke
             assert finish_reason_to_matched_stop(result.finish[rid]) == tokens[-1]
         outputs[backend] = {rid: (texts(s, result)[rid], result.finish[rid]) for rid in result.tokens}
         s.grammar_manager.shutdown()
-    assert outputs["xgrammar"] == outputs["outlines"]
+    assert outputs["xgrammar"] == outputs["outlines"] == outputs["llguidance"]
 
 
-@pytest.mark.parametrize("backend", ["xgrammar", "outlines"])
+@pytest.mark.parametrize("backend", ["xgrammar", "outlines", "llguidance"])
 def test_grammar_termination_wins_over_min_new_tokens_and_ignore_eos(tiny_llama_dir, tiny_tokenizer, backend):
     """Under a grammar, `min_new_tokens` and `ignore_eos` do not extend the output past the
     grammar's end (SGLang's behaviour): the grammar allows nothing but EOS there."""
@@ -301,4 +301,24 @@ def test_grammar_termination_wins_over_min_new_tokens_and_ignore_eos(tiny_llama_
         assert len(tokens) < 20 and tokens[-1] in eos, (rid, tokens)
         assert result.finish[rid] == {"type": "stop", "matched": tokens[-1]}
         assert texts(s, result)[rid] in ("yes", "no")
+    s.grammar_manager.shutdown()
+
+
+def test_llguidance_json_and_ebnf_outputs_validate_and_jump_forward(tiny_llama_dir, tiny_tokenizer):
+    s = create_scheduler(tiny_llama_dir, tiny_tokenizer, grammar_backend="llguidance", disable_jump_forward=False)
+    schema = {**SCHEMA, "properties": {**SCHEMA["properties"], "code": {"type": "integer", "multipleOf": 5}},
+              "dependentRequired": {"admin": ["tags"]}}
+    reqs = [constrained_req(f"j{i}", seed=i, backend="llguidance", json_schema=schema, max_new_tokens=128)
+            for i in range(3)]
+    reqs += [constrained_req(f"e{i}", seed=i, backend="llguidance", ebnf='start: "id-" /[0-9]{3}/', max_new_tokens=16)
+             for i in range(2)]
+    result = run_to_completion(s, reqs)
+    for rid, text in texts(s, result).items():
+        assert result.finish[rid]["type"] == "stop", (rid, result.finish[rid], text)
+        if rid.startswith("j"):
+            jsonschema.validate(json.loads(text), schema)
+        else:
+            assert re.fullmatch(r"id-[0-9]{3}", text), text
+    assert s.stats["num_jump_forward_tokens"] > 0
+    assert_idle_pools(s)
     s.grammar_manager.shutdown()

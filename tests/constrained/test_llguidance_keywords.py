@@ -74,6 +74,8 @@ EXACT = [
                                                     "additionalProperties": False}},
                               "anyOf": [{"$ref": "#/definitions/o"}], "type": "object"},
      [{"k": 1}, {}, 3, {"k": "1"}]),
+    ("allOf of open objects stays open", {"allOf": [{"properties": {"a": INT}}, {"properties": {"b": INT}}]},
+     [{"a": 1, "b": 2}, {"a": 1, "b": 2, "c": 3}, {"a": "x"}, {"b": "y"}]),
     ("$anchor", {"$defs": {"pos": {"$anchor": "positive", "type": "integer", "minimum": 1}},
                  "type": "object", "properties": {"n": {"$ref": "#positive"}}, "required": ["n"]},
      [{"n": 1}, {"n": 40}, {"n": 0}, {"n": "1"}, {}]),
@@ -131,6 +133,20 @@ def test_the_grammar_accepts_exactly_the_valid_instances(backend, tokenizer, eos
     for text in random_walks(grammar, tokenizer, eos, count=4, seed=len(instances)):
         message = spec.validate_output(text)
         assert message is None or "duplicate key" in message, (text, message)
+
+
+def test_objects_that_leave_additional_properties_out_are_closed_as_on_xgrammar(backend, tokenizer, eos):
+    schema = {"type": "object", "properties": {"a": INT, "o": {"type": "object", "properties": {"b": STR}}},
+              "required": ["a"]}
+    spec = grammar_spec_from_params(SamplingParams(json_schema=json.dumps(schema)), "llguidance")
+    grammar = backend.compile(spec.key)
+    assert accepts(backend, tokenizer, eos, grammar, '{"a": 1, "o": {"b": "x"}}')
+    for text in ('{"a": 1, "z": 2}', '{"a": 1, "o": {"b": "x", "c": 1}}'):  # valid, but not written
+        assert spec.validate_output(text) is None and not accepts(backend, tokenizer, eos, grammar, text)
+    open_schema = {**schema, "additionalProperties": True}  # said outright: left open
+    grammar = backend.compile(grammar_spec_from_params(SamplingParams(json_schema=json.dumps(open_schema)),
+                                                       "llguidance").key)
+    assert accepts(backend, tokenizer, eos, grammar, '{"a": 1, "z": 2}')
 
 
 def test_decimal_multiples_are_written_with_the_divisors_fraction_digits(backend, tokenizer, eos):

@@ -106,7 +106,7 @@ def test_outlines_policy_lowers_like_xgrammar_then_relaxes():
     assert prepare_json_schema(schema, policy=OUTLINES_POLICY).text == on_xgrammar.text  # strict: no relax
 
 
-def test_llguidance_policy_keeps_the_schema_but_formats_it_does_not_know():
+def test_llguidance_policy_keeps_the_schema_but_formats_it_does_not_know_and_closes_objects():
     schema = {"type": "object", "properties": {
         "format": {"type": "string", "format": "uri-reference"},  # a property called "format" stays
         "when": {"type": "string", "format": "date"},
@@ -115,6 +115,7 @@ def test_llguidance_policy_keeps_the_schema_but_formats_it_does_not_know():
     prepared = prepare_json_schema(schema, policy=LLGUIDANCE_POLICY)
     expected = json.loads(json.dumps(schema))
     del expected["properties"]["format"]["format"], expected["properties"]["tags"]["items"]["format"]
+    expected["additionalProperties"] = False  # closed, as xgrammar's strict mode does
     assert json.loads(prepared.text) == expected and list(json.loads(prepared.text)["properties"]) == [
         "format", "when", "tags"]
     assert prepared.dropped == () and json.loads(prepared.original) == schema  # outputs judged by the user's

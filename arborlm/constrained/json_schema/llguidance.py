@@ -41,6 +41,9 @@ keeps the schema's language exactly (the same instances validate), except the
   ``$ref``, ``$dynamicRef``, dependent schemas): what it then means, an
   ``additionalProperties`` / ``items`` (or nothing, when those are there).
 
+Last, `close_objects` closes object schemas that leave ``additionalProperties``
+out, as xgrammar's strict mode does (a narrowing: outputs stay valid).
+
 What stays unimplemented (``if``/``then``/``else``, ``contains``, other ``not``s and
 ``uniqueItems``, ``$dynamicRef``, ...) is refused by llguidance naming the
 keyword, or, in lenient mode, ignored by it; the output is validated either way.
@@ -90,7 +93,95 @@ def llguidance_rewrite(schema: Any) -> Any:
     _visit(schema, legacy)
     if isinstance(schema, dict):
         _visit_all(schema, lambda node: drop_implied_type(node, schema))
+        close_objects(schema)
     return schema
+
+
+def close_objects(root: dict) -> None:
+    """Set ``additionalProperties: false`` on object schemas that leave it out, as xgrammar's strict mode does.
+
+    A narrowing, not an equivalence: every output stays valid, and a weak model
+    can no longer wander into keys the schema never names (or repeat a key as an
+    additional one, which only the final validation would catch). Only schemas
+    whose closing cannot cut into a conjunction are closed: none whose in-place
+    branches (``allOf``, ``anyOf``, ...) name a property it does not declare or
+    refer elsewhere, none that is itself such a branch of a schema with
+    object keywords or an ``allOf`` conjunct, no ``$ref`` target reached from
+    one of those (nothing at all when such a target is named other than by a
+    local JSON pointer), and none requiring a name it does not declare.
+    """
+    unsafe_refs: set[str] = set()
+    _collect_unsafe_refs(root, False, unsafe_refs)
+    if any(not ref.startswith("#/") for ref in unsafe_refs):
+        return  # a target named by $id or anchor: which schema it is, is not worked out here
+    _close(root, "#", False, unsafe_refs)
+
+
+def _close(schema: Any, pointer: str, in_conjunction: bool, unsafe_refs: set[str]) -> None:
+    if not isinstance(schema, dict):
+        return
+    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    if (not in_conjunction and pointer not in unsafe_refs and isinstance(schema.get("properties"), dict)
+            and all(name in schema["properties"] for name in required)
+            and not any(k in schema for k in ("additionalProperties", "patternProperties", "unevaluatedProperties"))
+            and _branches_name_nothing_new(schema, schema["properties"])):
+        schema["additionalProperties"] = False
+    for keyword, sub, conjunct in _children(schema):
+        _close(sub, f"{pointer}/{keyword}", in_conjunction or conjunct, unsafe_refs)
+
+
+def _branches_name_nothing_new(schema: dict, declared: dict) -> bool:
+    """Whether every schema ``schema`` applies in place (``allOf``, ``anyOf``, ...) names only
+    properties in ``declared`` and no ``$ref`` (so closing ``schema`` cuts nothing they allow)."""
+    for keyword in _IN_PLACE:
+        value = schema.get(keyword)
+        if value is None:
+            continue
+        if keyword in ("$ref", "$dynamicRef", "$recursiveRef"):
+            return False
+        branches = value if isinstance(value, list) else list(value.values()) if keyword in _MAP else [value]
+        for branch in branches:
+            if isinstance(branch, bool) or isinstance(branch, list):  # a boolean schema; draft-7 names
+                continue
+            if not isinstance(branch, dict) or any(k in branch for k in ("additionalProperties", "patternProperties",
+                                                                          "unevaluatedProperties")):
+                return False
+            names = branch.get("properties", {})
+            required = branch.get("required", [])
+            if not isinstance(names, dict) or not isinstance(required, list):
+                return False
+            if not set(names) <= set(declared) or not set(required) <= set(declared):
+                return False
+            if not _branches_name_nothing_new(branch, declared):
+                return False
+    return True
+
+
+def _collect_unsafe_refs(schema: Any, in_conjunction: bool, refs: set[str]) -> None:
+    if not isinstance(schema, dict):
+        return
+    if in_conjunction and isinstance(schema.get("$ref"), str):
+        refs.add(schema["$ref"])
+    for _, sub, conjunct in _children(schema):
+        _collect_unsafe_refs(sub, in_conjunction or conjunct, refs)
+
+
+def _children(schema: dict):
+    """(pointer tail, subschema, whether it is intersected with object keywords) of each direct subschema."""
+    has_object_keywords = any(k in schema for k in ("properties", "required", "additionalProperties",
+                                                     "patternProperties", "minProperties", "maxProperties"))
+    for keyword in _ONE:
+        if isinstance(schema.get(keyword), dict):
+            yield keyword, schema[keyword], keyword in _IN_PLACE and has_object_keywords
+    for keyword in _LIST:
+        if isinstance(schema.get(keyword), list):
+            for i, sub in enumerate(schema[keyword]):
+                yield f"{keyword}/{i}", sub, keyword == "allOf" or (keyword in _IN_PLACE and has_object_keywords)
+    for keyword in _MAP:
+        if isinstance(schema.get(keyword), dict):
+            for name, sub in schema[keyword].items():
+                tail = name.replace("~", "~0").replace("/", "~1")
+                yield f"{keyword}/{tail}", sub, keyword in _IN_PLACE
 
 
 def _visit_all(schema: Any, action) -> None:
