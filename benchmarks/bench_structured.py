@@ -261,10 +261,15 @@ def main() -> None:
     parser.add_argument("--compile-timeout", type=float, default=60.0, help="seconds per schema")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch", type=int, default=16, help="requests in the throughput comparison")
+    parser.add_argument("--keyword-table", action="store_true",
+                        help="which keywords each backend enforces or refuses (the docs' table; seconds)")
     parser.add_argument("--compile-only", action="store_true",
                         help="no model: coverage, compile times, random grammar walks (validity, mask fill)")
     args = parser.parse_args()
     per_subset = 8 if args.quick else args.per_subset
+    if args.keyword_table:
+        keyword_table(args.backends.split(","))
+        return
     if args.compile_only:
         compile_only(args, per_subset)
         return
@@ -310,6 +315,34 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "structured.json").write_text(json.dumps(record, indent=1))
     print_tables(record, list(subsets))
+
+
+# Keywords that stay refused on every backend (beside the enforced cases of the keyword tests).
+REFUSED_EVERYWHERE = [
+    ("uniqueItems over strings", {"type": "array", "items": {"type": "string"}, "uniqueItems": True}),
+    ("if/then/else", {"if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}}),
+    ("contains/minContains", {"type": "array", "contains": {"const": 1}, "minContains": 2}),
+    ("not const", {"not": {"const": 3}}),
+    ("$dynamicRef", {"$dynamicAnchor": "n", "type": "object", "properties": {"c": {"$dynamicRef": "#n"}}}),
+    ("remote $ref", {"properties": {"a": {"$ref": "https://example.invalid/s.json"}}}),
+]
+
+
+def keyword_table(backends: list[str]) -> None:
+    """Print, per keyword case, whether each backend's front enforces or refuses it."""
+    from tests.constrained.test_llguidance_keywords import EXACT
+
+    print("| case | " + " | ".join(backends) + " |")
+    print("|---|" + "---|" * len(backends))
+    for name, schema in [(c[0], c[1]) for c in EXACT] + REFUSED_EVERYWHERE:
+        row = []
+        for backend in backends:
+            try:
+                grammar_spec_from_params(SamplingParams(json_schema=json.dumps(schema)), backend)
+                row.append("enforced")
+            except GrammarError:
+                row.append("refused")
+        print(f"| {name} | " + " | ".join(row) + " |")
 
 
 def compile_only(args, per_subset: int | None) -> None:
