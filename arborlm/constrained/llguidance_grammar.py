@@ -7,8 +7,9 @@ builds that definition for each kind a request may ask for:
 
 - ``json_schema``: the user's schema as written (`LLGUIDANCE_POLICY`), with the
   JSON options of the other backends: json.dumps's separators on one line
-  (``", "``, ``": "``, no free whitespace) and, for a ``json_schema_lenient``
-  request, llguidance's ``lenient`` (keywords it does not implement are
+  (``", "``, ``": "``, no free whitespace), integers without a range bounded
+  to 19 digits (`bound_integer_digits`) and, for a ``json_schema_lenient``
+  request, instead of that bound llguidance's ``lenient`` (keywords it does not implement are
   ignored instead of refused). Keywords llguidance does not implement are
   otherwise refused by llguidance itself, naming them.
 - ``json_object``: any JSON value (the empty schema).
@@ -39,6 +40,7 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
+from arborlm.constrained.json_schema.llguidance import bound_integer_digits
 from arborlm.constrained.keys import ANY_JSON, GrammarError, GrammarKey
 from arborlm.constrained.regex_constraint import RegexDialect, dot_as_class
 from arborlm.constrained.structural_tags import from_legacy_structural_tag
@@ -128,6 +130,11 @@ def ascii_shorthands(regex: str) -> str:
 
 def _json_grammar(text: str, lenient: bool, param: str) -> str:
     options = {**JSON_OPTIONS, "lenient": lenient}
+    if not lenient:  # integers' digits bounded, as on the other backends (lenient lifts it)
+        try:
+            text = json.dumps(bound_integer_digits(json.loads(text)))
+        except ValueError as e:
+            raise GrammarError(f"json_schema is not valid JSON: {_shorten(str(e))}", param) from e
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(text, overrides=options)
     except ValueError as e:

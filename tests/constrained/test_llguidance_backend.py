@@ -39,8 +39,9 @@ STOP = 5  # a request's own stop id (an ordinary token of SmolLM2's vocabulary)
 DIFFERENCES = {
     # JSON Schema's default: a property the schema does not name is allowed (xgrammar closes objects).
     (json.dumps(NAME_AGE), '{"name": "Bob", "age": 42, "x": 1}'): COMPLETE,
-    # Number literals are not bounded to an int64's / a double's digits on llguidance.
-    (json.dumps({"type": "integer"}), "9" * 20): COMPLETE,
+    # A number's fraction digits are not bounded on llguidance; integers are, to |n| <= 10**18
+    # (llguidance cannot build the regex of int64's range), one digit less than xgrammar.
+    (json.dumps({"type": "integer"}), "-" + "9" * 19): REJECTED,
     (json.dumps({"type": "number"}), "0." + "5" * 18): COMPLETE,
 }
 
@@ -206,6 +207,15 @@ def test_compile_worker_payload_round_trips(tokenizer, eos, backend):
     assert isinstance(payload, str) and backend.worker_args() is not None
     assert outcome(backend.load_compiled(key, payload).new_matcher(), encode(tokenizer, '{"id": 1}'), eos) == COMPLETE
     assert outcome(backend.load_compiled(key, payload).new_matcher(), encode(tokenizer, '{"id": 1'), eos) == INCOMPLETE
+
+
+def test_integer_digits_are_bounded_unless_lenient(tokenizer, eos, backend):
+    for lenient, expected in ((False, REJECTED), (True, COMPLETE)):
+        key = GrammarKey("json_schema", json.dumps({"type": "integer"}), lenient=lenient)
+        assert outcome(backend.compile(key).new_matcher(), encode(tokenizer, "1" * 19), eos) == expected
+        assert outcome(backend.compile(key).new_matcher(), encode(tokenizer, "-" + "9" * 18), eos) == COMPLETE
+    ranged = GrammarKey("json_schema", json.dumps({"type": "integer", "minimum": 0}))  # its own range: kept
+    assert outcome(backend.compile(ranged).new_matcher(), encode(tokenizer, "1" * 25), eos) == COMPLETE
 
 
 def test_the_backend_needs_an_eos_id(tokenizer):

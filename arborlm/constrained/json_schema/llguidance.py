@@ -66,6 +66,10 @@ from arborlm.constrained.json_schema.values import unique
 LLGUIDANCE_FORMATS = frozenset({
     "date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri",
 })  # fmt: skip
+# Largest |integer| a JSON integer without a range may be written as on llguidance (1 and 18 zeros:
+# llguidance cannot build the range regex of int64's bounds).
+INTEGER_BOUND = 10**18
+_NUMBER_RANGE = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 # Most arrays `uniqueItems` over finitely many values is written as (an enum of them).
 MAX_UNIQUE_ARRAYS = 256
 
@@ -182,6 +186,24 @@ def _children(schema: dict):
             for name, sub in schema[keyword].items():
                 tail = name.replace("~", "~0").replace("/", "~1")
                 yield f"{keyword}/{tail}", sub, keyword in _IN_PLACE
+
+
+def bound_integer_digits(schema: Any) -> Any:
+    """``schema`` (changed in place) with every ``type: integer`` that has no range nor
+    ``multipleOf`` bounded to ±`INTEGER_BOUND` (at most 19 digits; what an int64 holds, about).
+
+    llguidance has no option bounding a number literal's digits, and a weak model
+    pushed towards a digit would otherwise write it until ``max_new_tokens`` (xgrammar
+    and outlines bound digits in their grammars, `number_bounds`). A narrowing, as there;
+    the grammar builder applies it unless the request is lenient. Numbers that may have
+    fractions stay unbounded.
+    """
+    def bound(node: dict) -> None:
+        if node.get("type") == "integer" and not any(k in node for k in _NUMBER_RANGE):
+            node["minimum"], node["maximum"] = -INTEGER_BOUND, INTEGER_BOUND
+
+    _visit_all(schema, bound)
+    return schema
 
 
 def _visit_all(schema: Any, action) -> None:
