@@ -172,9 +172,11 @@ async def health(request: Request) -> Response:
 
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
-    """200 when the server generates one token within the timeout, else 503."""
-    manager = get_state(request).live_manager()
-    req = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0},
+    """200 when the server generates one token (an embedding server: embeds one) within the timeout, else 503."""
+    state = get_state(request)
+    manager = state.live_manager()
+    tokens = 0 if state.server_args.model.is_embedding else 1  # an embedding server runs prefill-only requests
+    req = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": tokens, "temperature": 0},
                            rid=f"health-{uuid.uuid4().hex}")
     try:
         await asyncio.wait_for(generate_batch(manager, [req]), HEALTH_GENERATE_TIMEOUT_S)

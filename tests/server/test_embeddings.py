@@ -162,6 +162,7 @@ def test_embedding_server_refuses_generation(client, emb_http):
     resp = emb_http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
     assert resp.status_code == 400 and "embedding" in resp.json()["error"]["message"]
     assert emb_http.get("/get_model_info").json()["is_generation"] is False
+    assert emb_http.get("/health_generate").status_code == 200  # a prefill-only probe
 
 
 def test_generation_server_refuses_embeddings(http):
