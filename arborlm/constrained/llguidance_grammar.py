@@ -35,6 +35,7 @@ Torch-free: the front calls `validate` through `LLGuidanceBackend.check`.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import llguidance
@@ -81,7 +82,7 @@ def build_grammar(key: GrammarKey) -> str:
         return llguidance.LLMatcher.grammar_from_regex(ascii_shorthands(dot_as_class(key.text, RegexDialect.PYTHON)))
     if key.kind == "ebnf":
         try:
-            return llguidance.grammar_from("ebnf", key.text)
+            return llguidance.grammar_from("ebnf", gbnf_escapes(key.text))
         except ValueError as e:
             raise GrammarError(f"invalid grammar: {_shorten(str(e))}", key.param) from e
     if key.kind == "structural_tag":
@@ -126,6 +127,76 @@ def ascii_shorthands(regex: str) -> str:
             parts.append(regex[i])
             i += 1
     return "".join(parts)
+
+
+def gbnf_escapes(text: str) -> str:
+    """``text`` (GBNF / xgrammar EBNF) with the escapes xgrammar prints and llguidance's GBNF
+    reader does not know written as ``\\xHH``: ``\\0`` (in ``[^\\0-\\x1f...]``) and a
+    backslash before punctuation (``[+\\-]``).
+
+    Escapes are read pairwise, so ``\\\\0`` (a backslash, then 0) stays.
+    """
+    parts, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text):
+            pair = text[i : i + 2]
+            if pair == "\\0" and not text[i + 2 : i + 3].isdigit():
+                pair = "\\x00"
+            elif pair[1] not in _GBNF_ESCAPES and pair[1].isascii() and not pair[1].isalnum():
+                pair = f"\\x{ord(pair[1]):02x}"  # xgrammar's \- or \. in a class: the character itself
+            parts.append(pair)
+            i += 2
+        else:
+            parts.append(text[i])
+            i += 1
+    return "".join(parts)
+
+
+def drop_lookaheads(text: str) -> str:
+    """``text`` (xgrammar EBNF) without xgrammar's lookahead assertions ``(= ...)``, and its
+    unbounded repeat ``{n, -1}`` written ``{n,}``.
+
+    xgrammar prints them after rules whose continuation the rest of the grammar fixes
+    anyway (a speed hint for its matcher), so the language stays; llguidance's GBNF
+    reader does not know them. Quoted strings and character classes are skipped over.
+    """
+    out, i, n = [], 0, len(text)
+    while i < n:
+        c = text[i]
+        if c in "\"[":
+            end = _skip_literal(text, i)
+            out.append(text[i:end])
+            i = end
+        elif text.startswith("(=", i):
+            depth, i = 1, i + 2
+            while i < n and depth:
+                if text[i] in "\"[":
+                    i = _skip_literal(text, i)
+                    continue
+                depth += {"(": 1, ")": -1}.get(text[i], 0)
+                i += 1
+        elif c == "{" and (unbounded := _UNBOUNDED_REPEAT.match(text, i)):
+            out.append(f"{{{unbounded.group(1)},}}")
+            i = unbounded.end()
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+# Escapes llguidance's GBNF reader knows (others, such as xgrammar's "\-", are written as "\xHH").
+_GBNF_ESCAPES = frozenset('nrt\\"[]xuU')
+# xgrammar's unbounded repetition, "{0, -1}".
+_UNBOUNDED_REPEAT = re.compile(r"\{\s*(\d+)\s*,\s*-1\s*\}")
+
+
+def _skip_literal(text: str, start: int) -> int:
+    """The index after the string literal or character class opening at ``start``."""
+    close = '"' if text[start] == '"' else "]"
+    i = start + 1
+    while i < len(text) and text[i] != close:
+        i += 2 if text[i] == "\\" else 1
+    return i + 1
 
 
 def _json_grammar(text: str, lenient: bool, param: str) -> str:
@@ -219,7 +290,7 @@ class _LarkWriter:
     def _fmt_grammar(self, fmt: dict) -> str:
         text = fmt["grammar"]
         try:
-            lark = any_to_lark(text)
+            lark = any_to_lark(gbnf_escapes(drop_lookaheads(text)))
         except Exception as e:  # the converter raises its own error types
             raise GrammarError(f"structural_tag: a grammar cannot be read: {_shorten(str(e))}",
                                "structural_tag") from e

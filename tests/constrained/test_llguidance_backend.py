@@ -19,6 +19,11 @@ from arborlm.constrained.llguidance_backend import LLGuidanceBackend
 from arborlm.constrained.vocab import special_token_ids
 from arborlm.entrypoints.openai.tool_parsers.base import FunctionSpec
 from arborlm.entrypoints.openai.tool_parsers.hermes import HermesFormat
+from arborlm.entrypoints.openai.tool_parsers.registry import (
+    Llama3Format,
+    MistralFormat,
+    PythonicFormat,
+)
 from arborlm.sampling_params import SamplingParams
 from tests.constrained.test_backend_agreement import (
     AGREE,
@@ -156,6 +161,28 @@ def test_tool_call_structural_tags_compile_and_force_valid_calls(tokenizer, eos,
     assert outcome(backend.compile(auto).new_matcher(), encode(tokenizer, bad_args), eos) == REJECTED
     assert outcome(backend.compile(required).new_matcher(), encode(tokenizer, call), eos) == COMPLETE
     assert outcome(backend.compile(required).new_matcher(), encode(tokenizer, "Hi"), eos) == REJECTED
+
+
+TOOLS = [FunctionSpec("get_weather", {"type": "object", "properties": {"city": {"type": "string"},
+                                                                       "days": {"type": "integer"}},
+                                       "required": ["city"]}),
+         FunctionSpec("noop", {"type": "object", "properties": {}})]
+
+
+@pytest.mark.parametrize("fmt", [HermesFormat(), Llama3Format(), MistralFormat(), PythonicFormat()],
+                         ids=lambda f: type(f).__name__)
+@pytest.mark.parametrize(("choice", "parallel", "named"), [("auto", True, None), ("required", False, None),
+                                                           ("named", True, "get_weather")])
+def test_every_tool_call_format_compiles_and_takes_its_own_calls(tokenizer, eos, backend, fmt, choice, parallel,
+                                                                 named):
+    # The pythonic format's argument grammar is xgrammar EBNF (lookaheads, "{0, -1}", "\\-"): converted.
+    key = GrammarKey("structural_tag", json.dumps({"type": "structural_tag",
+                                                   "format": fmt.structural_tag(TOOLS, choice, parallel, named)}))
+    grammar = backend.compile(key)
+    call = fmt.history_text([("get_weather", {"city": "Paris", "days": 3})])
+    assert outcome(grammar.new_matcher(), encode(tokenizer, call), eos) == COMPLETE, call
+    wrong = fmt.history_text([("get_weather", {"town": "Paris"})])
+    assert outcome(grammar.new_matcher(), encode(tokenizer, wrong), eos) == REJECTED, wrong
 
 
 def test_legacy_structural_tag_and_ebnf_forms(tokenizer, eos, backend):
