@@ -13,7 +13,9 @@ each constrained request drives a `GrammarMatcher` whose bitmask row
 tokens a grammar forces.
 
 Backends behind one interface (`base.GrammarBackend`): `xgrammar_backend`
-(the default) and `outlines_backend`; `registry` holds their names (the one
+(the default), `llguidance_backend` (its grammar texts in `llguidance_grammar`)
+and `outlines_backend`; `structural_tags` reads the legacy structural-tag form
+for both backends that take tags; `registry` holds their names (the one
 list the config checks, importing neither torch nor a grammar library) and
 imports a backend's class on first use. `grammar_analysis` finds rules of an
 EBNF grammar that can never finish.
