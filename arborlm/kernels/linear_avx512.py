@@ -29,12 +29,11 @@ SOURCES = (Path(__file__).parent / "csrc" / "linear_bf16_avx512.cpp",)
 ABI_VERSION = 2
 # Output columns per packed block and input features per pair (the kernel's layout).
 BLOCK_N = 16
-# Rows up to which decode steps take the kernel. It beats oneDNN here up to ~16 rows (the
-# default model's 30 layers of linears, one thread: 0.65x the time at 1 row, 0.74x at 8,
-# 1.1x at 32), but from 7 rows oneDNN changes its blocking on K = 1536 and the two then
-# differ in the last bit of a few outputs: up to 6, the default model's greedy tokens are
-# oneDNN's exactly.
-AVX512_MAX_ROWS = 6
+# Rows up to which decode steps take the kernel: measured here (the default model's 30
+# layers of linears, one thread) at 0.65x oneDNN's time at 1 row, 0.74x at 8, 1.1x at 32.
+# With `k_block_for` its outputs are oneDNN's bit for bit on the default model up to 16
+# rows at least (tested up to this bound).
+AVX512_MAX_ROWS = 8
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
     "arborlm_gemv_abi_version": ((), ctypes.c_int),

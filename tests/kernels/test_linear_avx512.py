@@ -46,7 +46,7 @@ def test_pack_refuses_what_the_kernel_cannot_read(shape):
 def test_bit_identical_to_onednn_on_the_default_model_at_decode_sizes(n, k):
     w = _weight(n, k)
     packed = linear_avx512.pack_weight(w)
-    for rows in range(1, linear_avx512.AVX512_MAX_ROWS + 1):
+    for rows in range(1, max(linear_avx512.AVX512_MAX_ROWS, 16) + 1):
         x = _rows(rows, k, seed=rows)
         assert torch.equal(linear_avx512.linear(lib, x, packed, None), F.linear(x, w)), (n, k, rows)
 
