@@ -526,7 +526,12 @@ class ServerArgs:
             For a value out of range (from the concern's `__post_init__`).
         """
         if "model" in kwargs:
-            kwargs["model_path"] = kwargs.pop("model")
+            model = kwargs.pop("model")
+            if model is not None and kwargs.get("model_path") not in (None, model):
+                raise TypeError(f"model={model!r} and model_path={kwargs['model_path']!r} name different "
+                                "checkpoints: give one of them")
+            if model is not None or "model_path" not in kwargs:
+                kwargs["model_path"] = model
         if isinstance(kwargs.get("model_path"), os.PathLike):
             kwargs["model_path"] = os.fspath(kwargs["model_path"])
         groups: dict[str, dict[str, Any]] = {}

@@ -1,0 +1,33 @@
+"""`ServerArgs.from_kwargs`: `model=` is SGLang's alias of `model_path`, and never hides it."""
+
+from __future__ import annotations
+
+import pytest
+
+from arborlm.entrypoints.engine import Engine
+from arborlm.runtime.config import ServerArgs
+
+
+@pytest.mark.parametrize(("kwargs", "expected"), [
+    ({"model": None, "model_path": "/ckpt"}, "/ckpt"),  # Engine(model_path=...) passes model=None too
+    ({"model": "/ckpt"}, "/ckpt"),
+    ({"model_path": "/ckpt"}, "/ckpt"),
+    ({"model": "/ckpt", "model_path": "/ckpt"}, "/ckpt"),
+    ({"model": None}, None),
+    ({}, None),
+])
+def test_model_alias(kwargs, expected):
+    assert ServerArgs.from_kwargs(**kwargs).model.model_path == expected
+
+
+def test_model_and_model_path_that_differ_are_refused():
+    with pytest.raises(TypeError, match="model='/a' and model_path='/b'"):
+        ServerArgs.from_kwargs(model="/a", model_path="/b")
+
+
+def test_engine_model_path_keyword_is_the_checkpoint_loaded(tmp_path):
+    # SGLang's programs write sgl.Engine(model_path=...): a missing folder must fail, not load the default.
+    from arborlm.errors import ModelLoadError
+
+    with pytest.raises((ModelLoadError, ValueError, OSError)):
+        Engine(model_path=str(tmp_path / "no-such-model"))
