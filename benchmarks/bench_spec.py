@@ -104,6 +104,8 @@ def run_cell(engine, prompts: list[str], params: dict[str, Any]) -> dict[str, An
         "tpot_p95_ms": 1e3 * sorted(tpot)[max(0, round(0.95 * len(tpot)) - 1)] if tpot else 0.0,
         "accept_len": (spec_reqs + accepted) / spec_reqs if spec_reqs else 1.0,
         "verify_steps": verified,
+        "steps": (after["num_decode_steps"] + after["num_extend_steps"]
+                  - before["num_decode_steps"] - before["num_extend_steps"]),
         "output_ids": [o["output_ids"] for o in outs],
     }
 
@@ -173,19 +175,21 @@ def summarise(workload: str, batch: int, cells: dict[str, list[dict[str, Any]]])
         "off_tpot_p50_ms": med("off", "tpot_p50_ms"), "ngram_tpot_p50_ms": med("ngram", "tpot_p50_ms"),
         "off_tpot_p95_ms": med("off", "tpot_p95_ms"), "ngram_tpot_p95_ms": med("ngram", "tpot_p95_ms"),
         "accept_len": med("ngram", "accept_len"), "identical": f"{same}/{batch}",
+        "off_steps": med("off", "steps"), "ngram_steps": med("ngram", "steps"),
     }
 
 
 def markdown(rows: list[dict[str, Any]], args) -> str:
     head = ("| workload | batch | off tok/s | NGRAM tok/s | NGRAM/off | TPOT p50 off / NGRAM (ms) "
-            "| TPOT p95 off / NGRAM (ms) | accept length | greedy identical |\n"
-            "|---|---|---|---|---|---|---|---|---|")
+            "| TPOT p95 off / NGRAM (ms) | forward steps off / NGRAM | accept length | greedy identical |\n"
+            "|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         lines.append(
             f"| {r['workload']} | {r['batch']} | {r['off_tok_s']:.1f} | {r['ngram_tok_s']:.1f} | {r['ratio']:.2f}x "
             f"| {r['off_tpot_p50_ms']:.0f} / {r['ngram_tpot_p50_ms']:.0f} "
-            f"| {r['off_tpot_p95_ms']:.0f} / {r['ngram_tpot_p95_ms']:.0f} | {r['accept_len']:.2f} | {r['identical']} |")
+            f"| {r['off_tpot_p95_ms']:.0f} / {r['ngram_tpot_p95_ms']:.0f} | {r['off_steps']:.0f} / {r['ngram_steps']:.0f} "
+            f"| {r['accept_len']:.2f} | {r['identical']} |")
     lines.append(f"\n{args.rounds} rounds per cell, median ratio of interleaved runs; "
                  f"max_new_tokens={args.max_new_tokens}, speculative_num_draft_tokens={args.num_draft_tokens}.")
     return "\n".join(lines)

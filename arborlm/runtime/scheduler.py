@@ -484,23 +484,24 @@ class Scheduler:
 
         Each request appends its emitted tokens one by one, as decode steps would
         (grammar, finish checks, stop strings), until one finishes it or forces a
-        jump; its row keeps the KV of the tokens it kept and the rest is freed at once.
+        jump; then its row keeps the KV of the tokens it kept and the rest is freed
+        at once. Should appending raise, every chain of the step is freed before the
+        step is aborted (no request's `kv_len` covers any of them yet).
         """
-        outputs = []
         invalid = set(result.invalid_rows)
         tokens = spec.split_verify_tokens(result.accept_lens, result.next_token_ids)
         infos = spec.split_verify_tokens(result.accept_lens, result.logprob_infos)
-        for j, (req, draft) in enumerate(zip(batch.reqs, batch.draft_tokens)):
-            kept, forced = [], []
-            for token_id in tokens[j] if j not in invalid else tokens[j][:1]:
-                kept.append(token_id)
-                if j in invalid:
-                    break
-                forced = self._append_token(req, token_id)
-                if req.finished or forced:
-                    break
-            self.kv.free_slots(spec.rejected_slots(self.kv.req_to_token_pool, req, len(draft), len(kept)))
-            req.kv_len += len(kept)
+        pairs = list(zip(batch.reqs, batch.draft_tokens))
+        try:
+            appended = [self._append_verified(req, tokens[j], j in invalid) for j, (req, _) in enumerate(pairs)]
+        except Exception:
+            for req, draft in pairs:
+                self.kv.free_slots(spec.rejected_slots(self.kv.req_to_token_pool, req, len(draft), 0))
+            raise
+        outputs = []
+        for j, ((req, draft), (kept, forced)) in enumerate(zip(pairs, appended)):
+            self.kv.free_slots(spec.rejected_slots(self.kv.req_to_token_pool, req, len(draft), max(1, len(kept))))
+            req.kv_len += max(1, len(kept))
             if j in invalid:
                 outputs.append(self._abort_non_finite(req))
                 continue
@@ -516,6 +517,21 @@ class Scheduler:
         outputs.extend(self._abort_flagged(batch))
         self.running = [r for r in self.running if not r.finished and r not in self.jump_forward_reqs]
         return outputs
+
+    def _append_verified(self, req: Req, tokens: list[int], invalid: bool) -> tuple[list[int], list[int]]:
+        """Append a verified request's tokens until one finishes it or forces a jump;
+        returns (the tokens kept, the tokens the grammar forced after them). An invalid
+        row appends nothing (the request is aborted; its last token's KV is kept)."""
+        kept: list[int] = []
+        forced: list[int] = []
+        if invalid:
+            return kept, forced
+        for token_id in tokens:
+            kept.append(token_id)
+            forced = self._append_token(req, token_id)
+            if req.finished or forced:
+                break
+        return kept, forced
 
     def _finish_prefill_only(self, batch: ScheduleBatch, embeddings: list | None = None) -> list[ReqOutput]:
         """Finish the requests that asked for no new token once their prompt is in the cache;

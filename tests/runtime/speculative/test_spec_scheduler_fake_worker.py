@@ -235,3 +235,24 @@ def test_meta_counts_reach_the_output():
     for rid, outs in result.outputs.items():
         steps_with_tokens = sum(1 for o in outs if o.new_token_ids)
         assert len(result.tokens[rid]) == steps_with_tokens + last[rid].spec_accepted_tokens
+
+
+def test_bookkeeping_that_raises_frees_every_chain(monkeypatch):
+    """A verify step whose bookkeeping raises (a grammar or detokenizer bug, say) aborts
+    that step's requests; every chain slot of the step comes back."""
+    scripts = {rid: copy_script(rid) for rid in RIDS}
+    sched = create_spec_scheduler(scripts)
+    append = sched._append_token
+    calls = {"n": 0}
+
+    def flaky(req, token_id):
+        if sched.worker.num_verify_steps == 3:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("injected bookkeeping failure")
+        return append(req, token_id)
+
+    monkeypatch.setattr(sched, "_append_token", flaky)
+    result = run(sched)
+    assert calls["n"] >= 2
+    assert any(f["type"] == "abort" for f in result.finish.values())
