@@ -344,6 +344,28 @@ def admit(scheduler: Scheduler, front: FrontSide, reqs: list[TokenizedGenerateRe
         scheduler.add_request(recv)
 
 
+def decode_tokens(args) -> int:
+    """Output tokens each request needs to stay running through its cell (every kind of step)."""
+    return args.warmup + 3 * args.steps + 8
+
+
+def prefill_all(scheduler: Scheduler, front: FrontSide, batch: int) -> None:
+    """Step until all `batch` requests run (their prompts prefilled).
+
+    Raises
+    ------
+    RuntimeError
+        When they do not all get in (the KV pool or `max_running_requests` is too small).
+    """
+    for _ in range(64):
+        if not scheduler.waiting_queue and scheduler.chunked_req is None:
+            break
+        front.handle(scheduler.step(), None)
+    if len(scheduler.running) != batch:
+        raise RuntimeError(f"only {len(scheduler.running)} of {batch} requests are running; "
+                           "raise max_total_tokens or max_running_requests")
+
+
 def drain(scheduler: Scheduler) -> None:
     """Abort everything and step until the scheduler is empty."""
     for req in scheduler.alive_reqs() + list(scheduler.waiting_queue):
@@ -354,10 +376,9 @@ def drain(scheduler: Scheduler) -> None:
 
 def bench_decode(scheduler: Scheduler, front: FrontSide, batch: int, args, params: dict) -> dict:
     vocab = scheduler.model_info.vocab_size
-    reqs = [make_request(i, args.prompt_len, vocab, 10_000, params) for i in range(batch)]
+    reqs = [make_request(i, args.prompt_len, vocab, decode_tokens(args), params) for i in range(batch)]
     admit(scheduler, front, reqs)
-    while scheduler.waiting_queue or scheduler.chunked_req is not None:
-        front.handle(scheduler.step(), None)
+    prefill_all(scheduler, front, batch)
     for _ in range(args.warmup):
         front.handle(scheduler.step(), None)
     timer, bare = PartTimer(), []
@@ -372,10 +393,9 @@ def bench_decode(scheduler: Scheduler, front: FrontSide, batch: int, args, param
 def bench_mixed(scheduler: Scheduler, front: FrontSide, args, params: dict) -> dict:
     """A prefill of one `--prompt-len` prompt beside a running batch of 8, `--steps` times."""
     vocab = scheduler.model_info.vocab_size
-    running = [make_request(i, args.prompt_len, vocab, 10_000, params) for i in range(8)]
+    running = [make_request(i, args.prompt_len, vocab, decode_tokens(args), params) for i in range(8)]
     admit(scheduler, front, running)
-    while scheduler.waiting_queue or scheduler.chunked_req is not None:
-        front.handle(scheduler.step(), None)
+    prefill_all(scheduler, front, 8)
     timer, bare = PartTimer(), []
     timer.calibrate()
     seq_lens = [r.seqlen for r in scheduler.running] + [args.prompt_len]
@@ -472,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
 
     server_args = ServerArgs.from_kwargs(
         model_path=args.model_path, dtype=args.dtype, quantization=args.quantization, log_level="warning",
-        max_total_tokens=max(32, max(int(b) for b in args.batch_sizes.split(","))) * (args.prompt_len + 400),
+        max_total_tokens=(max(int(b) for b in args.batch_sizes.split(",")) + 1) * (args.prompt_len + decode_tokens(args)) * 2,
     )
     scheduler = Scheduler(server_args)
     front = FrontSide(scheduler.tokenizer)
