@@ -22,6 +22,9 @@ keeps the schema's language exactly (the same instances validate), except the
   or a and b are present", ``anyOf [{"properties": {"a": false}}, {"required": ["a", "b"]}]``.
 - ``dependentSchemas`` / ``dependencies`` (schema) ``{"a": S}``: ``anyOf
   [{"properties": {"a": false}}, {"required": ["a"], "allOf": [S]}]``.
+- ``not`` of ``required`` names: an object lacking one of them (``anyOf`` of
+  ``{"type": "object", "properties": {name: false}}``; ``required`` holds for
+  non-objects, so its negation does not).
 - ``not`` of types (``{"not": {"type": T}}``): the other JSON types (``integer``
   counted inside ``number``: not number leaves integers out, not integer keeps
   the non-integral numbers only where the schema says number, which is
@@ -335,11 +338,19 @@ def lower_dependencies(schema: dict) -> None:
 
 
 def lower_not(schema: dict) -> None:
-    """``not: {}`` as ``false`` (inside ``allOf``) and ``not`` of a bare ``type`` as the other types."""
+    """``not: {}`` as ``false`` (inside ``allOf``), ``not`` of bare ``required`` names as an object
+    lacking one, and ``not`` of a bare ``type`` as the other types."""
     negated = schema.get("not")
     if negated == {} or negated is True:
         del schema["not"]
         schema["allOf"] = [*schema.get("allOf", []), False]
+        return
+    if isinstance(negated, dict) and set(negated) == {"required"} and isinstance(negated["required"], list) \
+            and negated["required"] and all(isinstance(n, str) for n in negated["required"]):
+        # Not all of them present: an object lacking one (required holds vacuously for non-objects).
+        del schema["not"]
+        lacking = [{"type": "object", "properties": {name: False}} for name in unique(negated["required"])]
+        schema["allOf"] = [*schema.get("allOf", []), {"anyOf": lacking}]
         return
     if not isinstance(negated, dict) or set(negated) != {"type"}:
         return
