@@ -26,22 +26,13 @@ from arborlm.frontend_lang.ir import (
     SglSelect,
     role_block,
 )
+from arborlm.frontend_lang.literals import (
+    DTYPE_REGEX,
+    DTYPE_STOPS,
+    JSON_STRING_REGEX,  # noqa: F401 - re-exported, programs import it here
+)
 from arborlm.frontend_lang.select import check_choices
 
-# A JSON string literal (RFC 8259: no raw control character, only JSON's escapes), so that
-# text built from `gen_string()` pieces parses with `json.loads`.
-JSON_STRING_REGEX = r'"([^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})*"'
-# The regex each `dtype` of `gen` constrains the output to. int and float are JSON number literals
-# (no leading zero, no "+") that Python's int()/float() also read, bounded to 18 digits so the
-# grammar ends and the model stops right after the value; str is a JSON string. SGLang's
-# REGEX_INT... (`ir.py`) allow leading zeros and trailing whitespace, which break JSON built from them.
-_JSON_INT = r"-?(0|[1-9][0-9]{0,17})"
-DTYPE_REGEX = {
-    int: _JSON_INT,
-    float: _JSON_INT + r"(\.[0-9]{1,17})?",
-    bool: r"(True|False)",
-    str: JSON_STRING_REGEX,
-}
 _DTYPE_NAMES = {"int": int, "float": float, "bool": bool, "str": str, "string": str}
 
 
@@ -186,7 +177,9 @@ def gen(
     The parameters are SGLang's, in its order (`repetition_penalty` and `seed`, which
     SGLang's `gen` lacks, come last). `max_tokens` maps to `max_new_tokens` and
     `min_tokens` to `min_new_tokens`; unset fields take the program's defaults, then
-    `SamplingParams`' defaults.
+    `SamplingParams`' defaults. A typed gen cut by `max_tokens` still yields a whole literal:
+    the interpreter closes it (`literals.py`); int and float gens also stop at a space,
+    newline, comma... after the number (added to `stop`).
 
     At most one constraint: `regex`; `json_schema` as a dict, its JSON text or
     a pydantic model class; `dtype` (int, float, bool or str, as a type or its
@@ -214,9 +207,13 @@ def gen(
     if n not in (None, 1):
         raise InvalidRequestError("gen takes n=1; use s.fork(n) for several samples", "n")
     if dtype is not None:
-        regex = DTYPE_REGEX.get(_DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else dtype)
+        dtype = _DTYPE_NAMES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+        regex = DTYPE_REGEX.get(dtype)
         if regex is None:
             raise InvalidRequestError(f"dtype must be int, float, bool or str, got {dtype!r}", "dtype")
+        if dtype in DTYPE_STOPS:  # where the model may end a number (`literals.py`)
+            own = [stop] if isinstance(stop, str) else list(stop or [])
+            stop = own + [c for c in DTYPE_STOPS[dtype] if c not in own]
     if regex is not None:
         _compile(regex, "regex")
     sampling = {
@@ -240,7 +237,7 @@ def gen(
                 "top_logprobs_num": top_logprobs_num, "return_text_in_logprobs": return_text_in_logprobs}
     return SglGen(name, {k: v for k, v in sampling.items() if v is not None},
                   {k: v for k, v in logprobs.items() if v is not None},
-                  stop_regex=_stop_regexes(stop_regex))
+                  stop_regex=_stop_regexes(stop_regex), dtype=dtype)
 
 
 def _compile(pattern: Any, param: str) -> re.Pattern:

@@ -41,6 +41,7 @@ from arborlm.frontend_lang.ir import (
     SglVarScopeEnd,
     flatten,
 )
+from arborlm.frontend_lang.literals import complete_literal, strip_number_end
 from arborlm.frontend_lang.select import select_choice
 from arborlm.frontend_lang.speculative import (
     SPEC_MAX_NUM_TRIES,
@@ -209,6 +210,9 @@ class StreamExecutor:
         else:
             text, meta = self.backend.generate(self.text_, sampling, **options)
             self.backend.token_usage.add(meta)
+            if expr.dtype is not None:
+                text = strip_number_end(expr.dtype, text)
+                text += complete_literal(expr.dtype, text)
             self._append(text)
             self._set_gen_var(expr, text, meta)
 
@@ -243,6 +247,10 @@ class StreamExecutor:
         if matched is not None:
             meta = {**meta, "finish_reason": {"type": "stop", "matched": matched}}
         self.backend.token_usage.add(meta)
+        if expr.dtype is not None:  # a literal cut short is closed after what was streamed
+            closing = complete_literal(expr.dtype, pieces)
+            pieces += closing
+            self._append(closing)
         self._set_gen_var(expr, pieces, meta)
 
     def _gen_until_regex(self, expr: SglGen, sampling: dict[str, Any], options: dict[str, Any]) -> None:

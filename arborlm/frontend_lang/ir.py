@@ -18,7 +18,7 @@ ROLES = ("system", "user", "assistant")
 # SGLang's public regexes for typed literals (``sglang/lang/ir.py``), with its values: programs
 # import them for `gen(regex=...)`. The int and float ones end in optional spaces or newlines,
 # which is why SGLang's programs pair them with ``stop=[" ", "\n"]``. `gen(dtype=...)` uses
-# tighter ones of its own (`api.DTYPE_REGEX`).
+# tighter ones of its own (`literals.DTYPE_REGEX`).
 REGEX_INT = r"[-+]?[0-9]+[ \n]*"
 REGEX_FLOAT = r"[-+]?[0-9]*\.?[0-9]+[ \n]*"
 REGEX_BOOL = r"(True|False)"
@@ -59,6 +59,8 @@ class SglGen(SglExpr):
         `<name>_reasoning_content` the thinking (the program's text keeps both).
     stop_regex: patterns that end the generation where one first matches the generated
         text (the match is kept, as SGLang's runtime keeps it); the interpreter enforces them.
+    dtype: int, float, bool or str for a typed gen (its regex is in `sampling`): the interpreter
+        completes a literal cut short (`literals.complete_literal`).
     """
 
     name: str | None
@@ -66,6 +68,7 @@ class SglGen(SglExpr):
     logprobs: dict[str, Any] = field(default_factory=dict)
     reasoning_parser: str | None = None
     stop_regex: list[str] | None = None
+    dtype: type | None = None
 
     @property
     def reasoning_name(self) -> str:
