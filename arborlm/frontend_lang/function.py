@@ -194,6 +194,18 @@ class SglFunction:
         backend = resolve_backend(backend)
         return CompiledFunction(self, backend, self.trace(backend=backend))
 
+    def cache(self, backend: Any = None) -> dict[str, Any] | None:
+        """Prefill the program's constant prefix (with its bound arguments) on `backend`, or the
+        default one, so later runs start from a radix-cache hit (SGLang's ``SglFunction.cache``).
+
+        Returns the prefill's meta info, or None when the program starts with no constant text.
+
+        Raises
+        ------
+        ValueError: no backend given and none set as default.
+        """
+        return self.prefill_prefix(resolve_backend(backend))
+
     def prefill_prefix(self, backend: BaseBackend, batch_kwargs: list[dict[str, Any]] | None = None,
                        traced: TracedProgram | None = None) -> dict[str, Any] | None:
         """Prefill the text every run starts with (a prefix hint); its meta info, or None without one.
@@ -239,6 +251,15 @@ class CompiledFunction:
     @property
     def nodes(self):
         return self.traced.nodes
+
+    @property
+    def last_node(self):
+        """The traced graph's last node (`tracer.TraceGraphNode`)."""
+        return self.traced.last_node
+
+    def print_graph(self) -> None:
+        """Print the traced graph, one node a line (SGLang's ``CompiledFunction.print_graph``)."""
+        self.traced.print_graph()
 
     def run(self, *args: Any, **kwargs: Any) -> ProgramState:
         kwargs.setdefault("backend", self.backend)

@@ -34,13 +34,9 @@ INT_END = (" ", "\n", ",", ".", ";", ")", "]", "}")
 FLOAT_END = tuple(c for c in INT_END if c != ".")
 
 
-def _one_of(chars: tuple[str, ...]) -> str:
-    return "[" + "".join(re.escape(c) if c != "\n" else r"\n" for c in chars) + "]?"
-
-
 DTYPE_REGEX = {
-    int: _JSON_INT + _one_of(INT_END),
-    float: _JSON_FLOAT + _one_of(FLOAT_END),
+    int: _JSON_INT + r"[ \n,.;)\]}]?",  # INT_END, at most once
+    float: _JSON_FLOAT + r"[ \n,;)\]}]?",  # FLOAT_END
     bool: r"(True|False)",
     str: JSON_STRING_REGEX,
 }

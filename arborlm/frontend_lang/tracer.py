@@ -57,6 +57,36 @@ class TraceNode:
     kind: str
     value: str | None
 
+    def __str__(self) -> str:
+        """SGLang-like: ``Constant('Q: ')``, ``Argument('question')``, ``Gen('answer')``, ``RoleBegin(user)``."""
+        name = "".join(part.capitalize() for part in self.kind.split("_"))
+        name = "Constant" if name == "Text" else name
+        return f"{name}({self.value!r})" if self.kind in ("text", "argument", "gen", "select") \
+            else f"{name}({self.value})"
+
+
+@dataclass(frozen=True)
+class TraceGraphNode:
+    """One traced node as a graph vertex (SGLang's ``SglExpr`` with ``node_id`` and ``prev_node``):
+    `prev_node` is the node recorded before it, None for the first."""
+
+    node: TraceNode
+    node_id: int
+    prev_node: TraceGraphNode | None
+
+    def print_graph_dfs(self) -> str:
+        """The graph up to this node, dependencies first, one line a node: ``%3 = %2 + Gen('answer')``
+        (SGLang's format; the text is returned, as SGLang's, not printed)."""
+        lines, node = [], self
+        while node is not None:  # a traced program is a chain, so its DFS is the chain in order
+            prev = "" if node.prev_node is None else f"%{node.prev_node.node_id} + "
+            lines.append(f"%{node.node_id} = {prev}{node.node}\n")
+            node = node.prev_node
+        return "".join(reversed(lines))
+
+    def __str__(self) -> str:
+        return str(self.node)
+
 
 @dataclass
 class TracedProgram:
@@ -71,6 +101,20 @@ class TracedProgram:
     prefix: str = ""
     complete: bool = True
     stop_reason: str | None = None
+
+    @property
+    def last_node(self) -> TraceGraphNode | None:
+        """The last recorded node, linked to those before it (SGLang's ``tracer.last_node``);
+        None when nothing was recorded."""
+        node = None
+        for i, traced in enumerate(self.nodes):
+            node = TraceGraphNode(traced, i, node)
+        return node
+
+    def print_graph(self) -> None:
+        """Print the traced graph, one node a line (SGLang's ``CompiledFunction.print_graph``)."""
+        if self.last_node is not None:
+            print(self.last_node.print_graph_dfs(), end="")
 
 
 class SglArgument(SglExpr):

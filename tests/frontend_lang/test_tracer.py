@@ -15,6 +15,7 @@ from arborlm.frontend_lang.choices import (
     token_length_normalized,
     unconditional_likelihood_normalized,
 )
+from arborlm.frontend_lang.literals import DTYPE_REGEX
 
 TEMPLATE = ChatTemplate({"system": ("<s>", "</s>"), "user": ("<u>", "</u>"), "assistant": ("<a>", "</a>")})
 
@@ -152,7 +153,7 @@ def test_fork_join_var_scope_and_group_append():
 
 
 def test_dtype_and_gen_variants_become_regexes():
-    assert sgl.gen_int("n").sampling["regex"] == r"[-+]?[0-9]{1,18}"
+    assert sgl.gen_int("n").sampling["regex"] == DTYPE_REGEX[int]
     assert sgl.gen("b", dtype="bool").sampling["regex"] == "(True|False)"
     assert sgl.gen_string("s").sampling["regex"].startswith('"')
     assert isinstance(sgl.gen("c", choices=["x", "y"]), type(sgl.select("c", ["x", "y"])))
