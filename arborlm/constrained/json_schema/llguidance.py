@@ -52,7 +52,9 @@ What stays unimplemented (``if``/``then``/``else``, ``contains``, other ``not``s
 keyword, or, in lenient mode, ignored by it; the output is validated either way.
 
 Where it runs: `llguidance_rewrite` is the ``rewrite`` of `LLGUIDANCE_POLICY`,
-called by `prepare_json_schema` in the front on a fresh copy of the schema.
+called by `prepare_json_schema` in the front on a fresh copy of the schema;
+`relax_for_llguidance`, its ``relax``, names in lenient mode what llguidance
+will ignore.
 """
 
 from __future__ import annotations
@@ -62,13 +64,17 @@ import re
 import urllib.parse
 from typing import Any
 
-from arborlm.constrained.json_schema.nodes import TYPES
+import llguidance
+
+from arborlm.constrained.json_schema.nodes import TYPES, Relaxed
 from arborlm.constrained.json_schema.values import unique
 
 # The formats llguidance 1.9 enforces (its `Unknown format` error names any other).
 LLGUIDANCE_FORMATS = frozenset({
     "date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri",
 })  # fmt: skip
+# llguidance's refusal of the keywords it does not implement.
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
 # Largest |integer| a JSON integer without a range may be written as on llguidance (1 and 18 zeros:
 # llguidance cannot build the range regex of int64's bounds).
 INTEGER_BOUND = 10**18
@@ -288,6 +294,33 @@ def _subschemas(schema: dict):
     for keyword in _MAP:
         if isinstance(schema.get(keyword), dict):
             yield from schema[keyword].values()
+
+
+def relax_for_llguidance(schema: dict) -> Relaxed:
+    """Lenient mode: what llguidance's own ``lenient`` option will ignore, as ``"keyword at /pointer"``.
+
+    The schema is compiled unchanged (the backend turns on llguidance's ``lenient``);
+    this only names what that leaves out, so that a lenient request lists it in
+    ``dropped`` as on the other backends. Other llguidance errors are left to the
+    backend's check, which refuses them.
+    """
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides={"coerce_one_of": True})
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    unimplemented = _UNIMPLEMENTED.search(messages[0]) if is_error and messages else None
+    if unimplemented is None:
+        return Relaxed(schema)
+    keywords = set(re.findall(r'"([^"]+)"', unimplemented.group(1)))
+    found: list[str] = []
+    _find_keywords(schema, "", keywords, found)
+    return Relaxed(schema, tuple(found) or tuple(f"{k} (ignored by llguidance)" for k in sorted(keywords)))
+
+
+def _find_keywords(schema: Any, path: str, keywords: set[str], found: list[str]) -> None:
+    if not isinstance(schema, dict):
+        return
+    found.extend(f"{k} at {path or '/'}" for k in schema if k in keywords)
+    for tail, sub, _ in _children(schema):
+        _find_keywords(sub, f"{path}/{tail}", keywords, found)
 
 
 def drop_unknown_formats(node: Any) -> None:

@@ -27,7 +27,8 @@ own refusals (``relax``); what the backend then still cannot enforce, its
   dialect, its ``rewrite`` (`llguidance_rewrite`: formats llguidance does
   not know left out, ``format`` being an annotation) runs, and the rest is
   compiled as the user wrote it. Lenient mode turns on llguidance's own
-  ``lenient`` option (the key's ``lenient``). The final validation
+  ``lenient`` option (the key's ``lenient``); its ``relax`` only names what
+  that ignores. The final validation
   (`validate_json_output`) still judges every output against the whole schema.
 """
 
@@ -37,7 +38,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from arborlm.constrained.json_schema.llguidance import llguidance_rewrite
+from arborlm.constrained.json_schema.llguidance import llguidance_rewrite, relax_for_llguidance
 from arborlm.constrained.json_schema.nodes import Relaxed
 from arborlm.constrained.json_schema.outlines import relax_for_outlines
 
@@ -82,4 +83,5 @@ class SchemaPolicy:
 
 XGRAMMAR_POLICY = SchemaPolicy("xgrammar", SchemaForm.XGRAMMAR)
 OUTLINES_POLICY = SchemaPolicy("outlines", SchemaForm.XGRAMMAR, relax=relax_for_outlines)
-LLGUIDANCE_POLICY = SchemaPolicy("llguidance", SchemaForm.AS_WRITTEN, rewrite=llguidance_rewrite)
+LLGUIDANCE_POLICY = SchemaPolicy("llguidance", SchemaForm.AS_WRITTEN, relax=relax_for_llguidance,
+                                 rewrite=llguidance_rewrite)
