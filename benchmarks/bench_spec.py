@@ -113,6 +113,8 @@ def run_cell(engine, prompts: list[str], params: dict[str, Any]) -> dict[str, An
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint (default: the default model)")
+    ap.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (float32 keeps greedy identity exact)")
+    ap.add_argument("--quantization", default=None, help="gguf | none (default: the model's)")
     ap.add_argument("--workloads", nargs="+", default=["copy", "json", "code", "chat"])
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--rounds", type=int, default=3)
@@ -122,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown-out", default=None)
     args = ap.parse_args(argv)
 
-    common = dict(model=args.model, log_level="warning", random_seed=0, max_running_requests=64)
+    common = dict(model=args.model, dtype=args.dtype, quantization=args.quantization, log_level="warning",
+                  random_seed=0, max_running_requests=64)
     engines = {
         "off": arborlm.Engine(**common),
         "ngram": arborlm.Engine(**common, speculative_algorithm="NGRAM",
@@ -190,8 +193,9 @@ def markdown(rows: list[dict[str, Any]], args) -> str:
             f"| {r['off_tpot_p50_ms']:.0f} / {r['ngram_tpot_p50_ms']:.0f} "
             f"| {r['off_tpot_p95_ms']:.0f} / {r['ngram_tpot_p95_ms']:.0f} | {r['off_steps']:.0f} / {r['ngram_steps']:.0f} "
             f"| {r['accept_len']:.2f} | {r['identical']} |")
-    lines.append(f"\n{args.rounds} rounds per cell, median ratio of interleaved runs; "
-                 f"max_new_tokens={args.max_new_tokens}, speculative_num_draft_tokens={args.num_draft_tokens}.")
+    lines.append(f"\n{args.rounds} rounds per cell, median ratio of interleaved runs; dtype={args.dtype}, "
+                 f"quantization={args.quantization or 'default'}, max_new_tokens={args.max_new_tokens}, "
+                 f"speculative_num_draft_tokens={args.num_draft_tokens}.")
     return "\n".join(lines)
 
 
