@@ -22,6 +22,7 @@ from arborlm.entrypoints.request_builder import (
     expand_requests,
     generate_batch,
 )
+from arborlm.entrypoints.sglang_kwargs import sglang_server_kwargs
 from arborlm.errors import EngineDeadError, InvalidRequestError
 from arborlm.runtime.config import ServerArgs
 from arborlm.runtime.io_struct import GenerateReqInput
@@ -51,7 +52,7 @@ class Engine:
     """
 
     def __init__(self, model: str | None = None, **server_args: Any):
-        self.server_args = ServerArgs.from_kwargs(model=model, **server_args)
+        self.server_args = ServerArgs.from_kwargs(model=model, **sglang_server_kwargs(server_args))
         self._closed = False
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="arborlm-engine", daemon=True)

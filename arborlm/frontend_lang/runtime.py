@@ -15,7 +15,9 @@ from __future__ import annotations
 import atexit
 import json
 import multiprocessing as mp
+import os
 import socket
+import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,6 +30,20 @@ from arborlm.frontend_lang.backend.runtime_endpoint import RuntimeEndpoint
 
 POLL_INTERVAL_S = 0.25
 STOP_TIMEOUT_S = 30.0
+# Exit status of a server child that re-ran the script's top level and met `Runtime()` there
+# (no `if __name__ == "__main__":` guard); the parent turns it into a clear error.
+MAIN_GUARD_EXIT = 87
+MAIN_GUARD_HINT = (
+    "sgl.Runtime() was called at the top level of a script without an `if __name__ == \"__main__\":` guard: "
+    "the server runs in a child process started with multiprocessing's 'spawn', which imports the script "
+    "again, so every Runtime() at its top level would start another server. Create the Runtime under "
+    "`if __name__ == \"__main__\":` (as SGLang's Runtime needs too).")
+
+
+def _in_spawned_main_import() -> bool:
+    """True inside a spawned child while it re-imports the parent's script. ``_inheriting`` is the
+    flag multiprocessing itself checks for its "bootstrapping phase" error (there is no public one)."""
+    return bool(getattr(mp.current_process(), "_inheriting", False))
 
 
 def _free_port(host: str) -> int:
@@ -61,14 +77,21 @@ class Runtime:
     Raises
     ------
     TypeError, ValueError: an unknown or invalid server argument (before anything starts).
-    ArborError: the server exited while starting (its log is on stderr).
+    ArborError: the server exited while starting (its log is on stderr), or the script made the
+        Runtime at its top level without an ``if __name__ == "__main__":`` guard (the message says so).
     TimeoutError: it did not answer within `launch_timeout`.
     """
 
     def __init__(self, log_level: str = "error", launch_timeout: float = 300.0, **kwargs: Any):
+        if _in_spawned_main_import():  # the child of a Runtime made at a script's top level
+            print(f"arborlm: {MAIN_GUARD_HINT}", file=sys.stderr, flush=True)
+            # A hard exit: a script that catches BaseException around Runtime() would otherwise go on
+            # running its top level in the child; the parent reads the status and says why.
+            os._exit(MAIN_GUARD_EXIT)
+        from arborlm.entrypoints.sglang_kwargs import sglang_server_kwargs
         from arborlm.runtime.config import ServerArgs
 
-        server_args = ServerArgs.from_kwargs(log_level=log_level, **kwargs)
+        server_args = ServerArgs.from_kwargs(log_level=log_level, **sglang_server_kwargs(kwargs))
         if "port" not in kwargs:
             server_args = server_args.replace(port=_free_port(server_args.server.host))
         self.server_args = server_args
@@ -91,6 +114,8 @@ class Runtime:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self._process.is_alive():
+                if self._process.exitcode == MAIN_GUARD_EXIT:
+                    raise ArborError(MAIN_GUARD_HINT)
                 raise ArborError(f"the arborlm server exited with {self._process.exitcode} while starting "
                                  "(its log is above)")
             try:
