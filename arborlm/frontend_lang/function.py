@@ -10,6 +10,7 @@ After SGLang's ``sglang/lang/ir.py`` (``SglFunction``) and ``interpreter.py``
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import os
@@ -20,12 +21,29 @@ from arborlm.chat_template import ChatTemplate
 from arborlm.frontend_lang.api import resolve_backend
 from arborlm.frontend_lang.backend.base_backend import BaseBackend
 from arborlm.frontend_lang.global_config import global_config
-from arborlm.frontend_lang.interpreter import StreamExecutor
+from arborlm.frontend_lang.interpreter import LOGPROB_FIELDS, StreamExecutor
 from arborlm.frontend_lang.program_state import ProgramState
 from arborlm.frontend_lang.tracer import TracedProgram, TracerProgramState, trace_program
+from arborlm.sampling_params import SamplingParams
 
 # SGLang's `run` keyword names for program-wide sampling defaults → `SamplingParams` fields.
 _RUN_SAMPLING_ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
+# What `run` takes besides the program's parameters: sampling fields and the logprob options.
+_RUN_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) | frozenset(LOGPROB_FIELDS)
+
+
+def _check_sampling(sampling: dict[str, Any]) -> None:
+    """Type-check program-wide sampling defaults (ranges that depend on the model, such as stop
+    token ids within the vocabulary, are checked when a request is sent).
+
+    Raises
+    ------
+    InvalidRequestError: naming the first field of the wrong type, or a bad stop list.
+    """
+    fields = {k: v for k, v in sampling.items() if k not in LOGPROB_FIELDS}
+    params = SamplingParams.from_dict(fields)
+    params._verify_types()  # the request-time checks, without the ones needing the vocabulary
+    params._verify_stops()
 
 
 class SglFunction:
@@ -119,6 +137,8 @@ class SglFunction:
         if not isinstance(batch_kwargs, (list, tuple)):
             raise TypeError(f"run_batch takes a list of argument dicts or tuples, got {type(batch_kwargs).__name__}")
         batch_kwargs = [self._as_kwargs(item, i) for i, item in enumerate(batch_kwargs)]
+        for item in batch_kwargs:  # a misspelt argument fails the call, as in a plain Python call
+            self._split_kwargs(item)
         if not batch_kwargs:
             return []
         _, sampling = self._split_kwargs(sampling_kwargs)
@@ -167,9 +187,22 @@ class SglFunction:
         return ProgramState(StreamExecutor(backend, sampling, stream, num_api_spec_tokens=self.num_api_spec_tokens))
 
     def _split_kwargs(self, kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """(program arguments, sampling defaults under `SamplingParams` names)."""
+        """(program arguments, sampling defaults under `SamplingParams` names), checked now, when
+        the program is called, not when a gen sends its request (which may be never).
+
+        Raises
+        ------
+        TypeError: a keyword that is neither a program parameter nor a sampling field, named as
+            Python names an unexpected keyword argument.
+        InvalidRequestError: a sampling default of the wrong type (`max_new_tokens="x"`).
+        """
         program = {k: v for k, v in kwargs.items() if k in self.arg_names}
         sampling = {_RUN_SAMPLING_ALIASES.get(k, k): v for k, v in kwargs.items() if k not in self.arg_names}
+        unknown = [k for k in kwargs if k not in self.arg_names and _RUN_SAMPLING_ALIASES.get(k, k) not in _RUN_FIELDS]
+        if unknown:
+            raise TypeError(f"{self.func.__name__}() got an unexpected keyword argument {unknown[0]!r} (its "
+                            f"parameters are {self.arg_names}; other keywords must be sampling parameters)")
+        _check_sampling(sampling)
         return program, sampling
 
     # ---- tracing --------------------------------------------------------------------

@@ -56,7 +56,7 @@ from arborlm.frontend_lang.speculative import (
 
 _END = object()
 # Request fields, not sampling fields, that `run(...)` may give as defaults for every gen (SGLang's).
-_LOGPROB_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
+LOGPROB_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
 
 
 class StreamExecutor:
@@ -191,8 +191,8 @@ class StreamExecutor:
 
     def _execute_gen(self, expr: SglGen) -> None:
         sampling = {**global_config.detokenize_options(), **self.default_sampling, **expr.sampling}
-        options = {**{k: sampling.pop(k) for k in _LOGPROB_FIELDS if sampling.get(k) is not None}, **expr.logprobs}
-        for k in _LOGPROB_FIELDS:
+        options = {**{k: sampling.pop(k) for k in LOGPROB_FIELDS if sampling.get(k) is not None}, **expr.logprobs}
+        for k in LOGPROB_FIELDS:
             sampling.pop(k, None)
         if self.spec_terms is not None:
             self._collect_spec_gen(expr, sampling, options)
