@@ -15,6 +15,7 @@ only the config and the tokenizer.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -141,7 +142,13 @@ def check_architecture(checkpoint: Path) -> str:
     config_file = checkpoint / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"{str(checkpoint)!r} has no config.json: not a Hugging Face checkpoint")
-    return registry.architecture_from_config(json.loads(config_file.read_text()), str(config_file))
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{str(config_file)!r} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{str(config_file)!r} is not a JSON object")
+    return registry.architecture_from_config(config, str(config_file))
 
 
 # GGUF value types (llama.cpp's gguf.md): byte sizes of the scalars, and the two with a length.
@@ -394,7 +401,7 @@ def iter_safetensors(checkpoint: Path, progress: bool | None = False) -> Iterato
         raise ModelLoadError(f"{str(checkpoint)!r} holds no *.safetensors weights")
     total = 0
     for file in files:  # headers only: the bar's length
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with _unreadable_as_load_error(file), safe_open(str(file), framework="pt", device="cpu") as f:
             total += len(f.keys())
     yield from weight_progress(_safetensors_tensors(files), total, f"loading {checkpoint.name}", progress)
 
@@ -403,9 +410,21 @@ def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]
     from safetensors import safe_open
 
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with _unreadable_as_load_error(file), safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+@contextlib.contextmanager
+def _unreadable_as_load_error(file: Path) -> Iterator[None]:
+    """A truncated or corrupt safetensors file as a ModelLoadError naming it (safetensors
+    raises its own SafetensorError, or OSError, without the path)."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (SafetensorError, OSError) as e:
+        raise ModelLoadError(f"{str(file)!r} is not a readable safetensors file: {e}") from None
 
 
 def load_model(

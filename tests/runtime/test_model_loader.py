@@ -97,3 +97,30 @@ def test_missing_weight_is_reported(tiny_llama_dir):
     weights = [(n, t) for n, t in model_loader.iter_safetensors(tiny_llama_dir) if "layers.1.mlp.up_proj" not in n]
     with pytest.raises(ModelLoadError, match="gate_up_proj"):
         loaded.model.load_weights(weights)
+
+
+def _copy_checkpoint(src, dst):
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_truncated_safetensors_is_a_load_error_naming_the_file(tiny_llama_dir, tmp_path):
+    bad = _copy_checkpoint(tiny_llama_dir, tmp_path / "bad")
+    weights = bad / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match="model.safetensors' is not a readable safetensors file"):
+        load_model(bad, torch.float32, torch.device("cpu"))
+
+
+def test_corrupt_config_is_a_load_error_naming_the_file(tiny_llama_dir, tmp_path):
+    bad = _copy_checkpoint(tiny_llama_dir, tmp_path / "bad")
+    config = bad / "config.json"
+    config.write_text(config.read_text()[:40])
+    with pytest.raises(ModelLoadError, match="config.json' is not valid JSON"):
+        model_loader.check_architecture(bad)
+    config.write_text("[1, 2]")
+    with pytest.raises(ModelLoadError, match="is not a JSON object"):
+        model_loader.check_architecture(bad)
