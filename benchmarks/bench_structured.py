@@ -368,9 +368,11 @@ def compile_only(args, per_subset: int | None) -> None:
             "mask_us_p50": percentile(fill_us, 50), "mask_us_p99": percentile(fill_us, 99),
             "seconds": time.perf_counter() - start,
         }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "structured_compile.json").write_text(json.dumps(record, indent=1))
-    print_compile_tables(record, list(subsets))
+        # Written after each backend, so that a run cut short keeps what it measured.
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "structured_compile.json").write_text(json.dumps(record, indent=1))
+        print_compile_tables(record, list(subsets))
+        sys.stdout.flush()
 
 
 def print_compile_tables(record: dict, subset_names: list[str]) -> None:
