@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from arborlm.frontend_lang.backend.base_backend import UnsupportedByBackendError
+
 ROLES = ("system", "user", "assistant")
 
 # SGLang's public regexes for typed literals (``sglang/lang/ir.py``), with its values: programs
@@ -107,6 +109,52 @@ class SglVarScopeBegin(SglExpr):
 @dataclass
 class SglVarScopeEnd(SglExpr):
     name: str
+
+
+class SglImage(SglExpr):
+    """SGLang's image node (what `sgl.image` makes). Refused: arborlm serves text-only models.
+
+    Raises
+    ------
+    UnsupportedByBackendError: always, on construction (param "image").
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        raise UnsupportedByBackendError("SglImage: arborlm serves text-only models, so programs cannot send images",
+                                        "image")
+
+
+class SglVideo(SglExpr):
+    """SGLang's video node (what `sgl.video` makes). Refused: arborlm serves text-only models.
+
+    Raises
+    ------
+    UnsupportedByBackendError: always, on construction (param "video").
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        raise UnsupportedByBackendError("SglVideo: arborlm serves text-only models, so programs cannot send videos",
+                                        "video")
+
+
+# SGLang's ir names for classes that live higher up here (importing them would be circular):
+# `SglFunction` is `function.SglFunction`; `SglArgument` and `SglVariable` are both the tracer's
+# placeholder, which stands for a program argument and for a generated variable read while tracing.
+_LAZY_ALIASES = {
+    "SglFunction": ("arborlm.frontend_lang.function", "SglFunction"),
+    "SglArgument": ("arborlm.frontend_lang.tracer", "SglArgument"),
+    "SglVariable": ("arborlm.frontend_lang.tracer", "SglArgument"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """PEP 562: SGLang's ir names defined in other modules (`_LAZY_ALIASES`)."""
+    if name in _LAZY_ALIASES:
+        import importlib
+
+        module, attr = _LAZY_ALIASES[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def to_expr(value: Any) -> SglExpr:

@@ -103,6 +103,21 @@ def test_importing_arborlm_does_not_load_the_dsl():
     assert out.strip() == "[]"
 
 
+def test_ir_names_that_map_to_arborlms_classes():
+    from arborlm.frontend_lang.function import SglFunction
+    from arborlm.frontend_lang.ir import SglArgument, SglVariable
+    from arborlm.frontend_lang.tracer import SglArgument as TracerArgument
+
+    assert isinstance(sgl.function(lambda s: None), ir.SglFunction) and ir.SglFunction is SglFunction
+    assert SglArgument is SglVariable is TracerArgument
+    for cls, param in ((ir.SglImage, "image"), (ir.SglVideo, "video")):
+        with pytest.raises(UnsupportedByBackendError) as info:
+            cls("x.png")
+        assert info.value.param == param
+    with pytest.raises(AttributeError):
+        ir.SglNoSuchNode  # noqa: B018 - the module's __getattr__ must still refuse unknown names
+
+
 def test_ir_constants_are_sglangs():
     assert (ir.REGEX_INT, ir.REGEX_FLOAT, ir.REGEX_BOOL, ir.REGEX_STR) == (
         r"[-+]?[0-9]+[ \n]*", r"[-+]?[0-9]*\.?[0-9]+[ \n]*", r"(True|False)", r"\"[\w\d\s]*\"")
