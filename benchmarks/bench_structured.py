@@ -145,27 +145,36 @@ def compile_all(backend_name, tokenizer, eos_ids, subsets, timeout_s, walks: int
             continue
         specs[sid] = spec
         pending[sid] = manager.request(spec.key)
+        if walks:  # one compile at a time: each gets its whole timeout and the cores to itself
+            _finish(manager, {sid: pending.pop(sid)}, specs, status, walks, rng, eos_ids[0], outcomes, fill_us,
+                    None)
     with tqdm(total=len(pending), desc=f"compile {backend_name}", file=sys.stderr) as bar:
-        while pending:
-            manager.wait_any(list(pending.values()), 0.5)
-            now = time.monotonic()
-            for sid, p in list(pending.items()):
-                try:
-                    compiled = p.result(now)
-                    if compiled is None:
-                        continue
-                    status[sid] = "compiled"
-                    for _ in range(walks):
-                        outcomes[walk(compiled.new_matcher(), specs[sid], rng, eos_ids[0], fill_us)] += 1
-                except GrammarError as e:
-                    status[sid] = f"failed: {e.message[:120]}"
-                    specs.pop(sid)
-                del pending[sid]
-                bar.update(1)
+        _finish(manager, pending, specs, status, walks, rng, eos_ids[0], outcomes, fill_us, bar)
     compile_times = list(manager.stats()["compile_times_s"])
     if walks:
         return specs, status, compile_times, manager, outcomes, fill_us
     return specs, status, compile_times, manager
+
+
+def _finish(manager, pending, specs, status, walks, rng, eos, outcomes, fill_us, bar) -> None:
+    """Wait for every compile in ``pending``, recording its status (and walking it ``walks`` times)."""
+    while pending:
+        manager.wait_any(list(pending.values()), 0.5)
+        now = time.monotonic()
+        for sid, p in list(pending.items()):
+            try:
+                compiled = p.result(now)
+                if compiled is None:
+                    continue
+                status[sid] = "compiled"
+                for _ in range(walks):
+                    outcomes[walk(compiled.new_matcher(), specs[sid], rng, eos, fill_us)] += 1
+            except GrammarError as e:
+                status[sid] = f"failed: {e.message[:120]}"
+                specs.pop(sid)
+            del pending[sid]
+            if bar is not None:
+                bar.update(1)
 
 
 def make_scheduler(model_dir, tokenizer, **kw) -> Scheduler:
