@@ -24,7 +24,10 @@ instrumented steps. Medians over `--steps` steps of each kind. The same run meas
 the machine's copy bandwidth (`torch.Tensor.copy_` of a buffer larger than the caches,
 read + write bytes counted) and prints the floor: (weight bytes read per step + K/V
 bytes the step's attention reads) / bandwidth. One mixed step (a `--prompt-len` prefill
-beside a running batch of 8) is timed the same way.
+beside a running batch of 8) is timed the same way. With ``--baseline onednn`` each round
+also times a bare step whose linear layers run on oneDNN where they would take the AVX-512
+BF16 kernel (`kernels/linear_avx512.py`), interleaved, so that kernel's effect is a ratio
+within one run. Results: docs/decode_step.md.
 
     flock /tmp/arborlm-timing.lock .venv/bin/python benchmarks/bench_decode_step.py \\
         --markdown-out benchmarks/results/decode_step.md
