@@ -78,20 +78,26 @@ class SglFunction:
 
     # ---- running --------------------------------------------------------------------
 
-    def run(self, *args: Any, backend: Any = None, stream: bool = False, **kwargs: Any) -> ProgramState:
+    def run(self, *args: Any, backend: Any = None, stream: bool = False, use_thread: bool = True,
+            **kwargs: Any) -> ProgramState:
         """Run the program once and return its state.
 
         Keyword arguments that are not the program's parameters are sampling
         defaults for every `gen` (`temperature=0`, `max_new_tokens=64`). With
         `stream=True` the state returns at once and `state.text_iter()` follows
-        the generation.
+        the generation. `use_thread` is SGLang's: its False runs the expressions on the caller's
+        thread; arborlm always runs them on the state's worker thread, which gives the same
+        result (the keyword is accepted so that SGLang's programs run).
 
         Raises
         ------
         ValueError: no backend given and none set as default.
+        TypeError: an unknown keyword (see `_split_kwargs`), `use_thread` not a bool.
         Whatever the program raises; an error inside a `gen` carries a note
         naming the program line that appended it.
         """
+        if not isinstance(use_thread, bool):
+            raise TypeError(f"use_thread must be a bool, got {type(use_thread).__name__} {use_thread!r}")
         program_kwargs, sampling = self._split_kwargs(kwargs)
         state = self._start(resolve_backend(backend), sampling, stream)
         try:

@@ -53,3 +53,11 @@ def test_good_arguments_still_run():
     assert backend.calls[0]["sampling"]["temperature"] == 0 and backend.calls[0]["options"]["return_logprob"]
     assert [s["answer"] for s in q.run_batch([{"question": "a"}, ("b",)], max_tokens=3, backend=backend)] == \
         [" Paris", " Paris"]
+
+
+def test_sglangs_use_thread_is_accepted_and_gives_the_same_result():
+    backend = Fake(" Paris")
+    states = [q.run(question="Capital?", use_thread=flag, backend=backend) for flag in (True, False)]
+    assert states[0].text() == states[1].text() == "Q: Capital?\nA: Paris"
+    with pytest.raises(TypeError, match="use_thread must be a bool"):
+        q.run(question="x", use_thread="no", backend=backend)
