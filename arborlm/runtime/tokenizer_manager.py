@@ -305,6 +305,7 @@ class TokenizerManager:
         finally:
             if not state.finished:
                 self.send_sock.send_pyobj(AbortReq(recv.rid))
+                self._observe_abort(state)
             self.rid_to_state.pop(recv.rid, None)
 
     def check_capacity(self, num_new: int) -> None:
@@ -361,6 +362,17 @@ class TokenizerManager:
             self.observer.on_finish(out.prompt_tokens, out.cached_tokens, out.completion_tokens,
                                     now - state.created_time, out.finish_reason, ttft_s=ttft,
                                     queue_time_s=out.queue_time_s)
+
+    def _observe_abort(self, state: ReqState) -> None:
+        """Count a request that ends without a scheduler finish (its client went away, shutdown, a
+        rejection, the engine died) as one `abort`: the scheduler's own finish for it, if any, arrives
+        after its state is gone and is never counted, so this is the only count."""
+        if self.observer is None:
+            return
+        now = time.perf_counter()
+        ttft = state.first_token_time - state.created_time if state.first_token_time is not None else None
+        self.observer.on_finish(state.prompt_tokens, 0, len(state.output_ids), now - state.created_time,
+                                {"type": "abort"}, ttft_s=ttft)
 
     def _check_grammar_output(self, state: ReqState, out: ReqOutput) -> None:
         """A constrained output that the grammar ended must satisfy the user's schema.

@@ -5,6 +5,7 @@ queue-time histograms and the aborted / retracted / structured-output counters."
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -86,3 +87,36 @@ def test_sglang_metric_names(http):
         assert f"{prefix}:num_queue_reqs" in after and f"{prefix}:token_usage" in after
     info = http.get("/get_server_info").json()
     assert after["sglang:num_retracted_requests_total"] == info["num_retractions"]
+
+
+def aborted_counts(http) -> tuple[float, float]:
+    """sglang:num_aborted_requests_total and sglang:num_requests_total{finish_reason="abort"}."""
+    aborted = by_reason = 0.0
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == "sglang:num_aborted_requests_total":
+                aborted += sample.value
+            elif sample.name == "sglang:num_requests_total" and sample.labels.get("finish_reason") == "abort":
+                by_reason += sample.value
+    return aborted, by_reason
+
+
+@pytest.mark.parametrize(("route", "body"), [
+    ("/generate", {"text": "Long", "stream": True, "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}),
+    ("/v1/completions", {"model": "default", "prompt": "Long", "stream": True, "max_tokens": 500, "ignore_eos": True}),
+    ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "Long"}], "stream": True,
+                              "max_tokens": 500, "ignore_eos": True}),
+    ("/v1/responses", {"model": "default", "input": "Long", "stream": True, "max_output_tokens": 500}),
+])
+def test_a_dropped_stream_counts_as_one_abort(http, server, route, body):
+    before = aborted_counts(http)
+    with server.client() as dropping, dropping.stream("POST", route, json=body) as s:
+        lines = s.iter_lines()
+        next(line for line in lines if line.startswith("data:"))
+    # the client closed the connection; the server notices on its next write
+    deadline = time.monotonic() + 20
+    while aborted_counts(http)[0] == before[0] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)  # a second count (the scheduler's own abort finish) would land by now
+    after = aborted_counts(http)
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
