@@ -39,8 +39,10 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -145,6 +147,31 @@ def build_library(cache_dir: Path, sources: tuple[Path, ...] | None = None, stem
     return target
 
 
+def open_library(path: Path, abi_function: str, abi_version: int,
+                 signatures: Mapping[str, tuple[list[Any], Any]]) -> ctypes.CDLL:
+    """Load the built library at `path`, check its ABI and set its functions' signatures.
+
+    abi_function: the exported function returning the library's ABI version (an int);
+    signatures: function name -> (argtypes, restype) in ctypes types.
+
+    Raises
+    ------
+    KernelBuildError
+        When it cannot be loaded or is of another ABI version than `abi_version`.
+    """
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise KernelBuildError(f"cannot load {path}: {e}") from e
+    found = getattr(lib, abi_function)()
+    if found != abi_version:
+        raise KernelBuildError(f"{path} has ABI {found}, expected {abi_version}")
+    for name, (argtypes, restype) in signatures.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = restype
+    return lib
+
+
 def load_library(cache_dir: Path) -> ctypes.CDLL:
     """Build (if needed) and load the library, with its functions' signatures set.
 
@@ -153,17 +180,8 @@ def load_library(cache_dir: Path) -> ctypes.CDLL:
     KernelBuildError
         When it cannot be built, loaded, or is of another ABI version.
     """
-    path = build_library(cache_dir)
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        raise KernelBuildError(f"cannot load {path}: {e}") from e
-    if lib.arborlm_abi_version() != ABI_VERSION:
-        raise KernelBuildError(f"{path} has ABI {lib.arborlm_abi_version()}, expected {ABI_VERSION}")
-    for name, argtypes in _SIGNATURES.items():
-        getattr(lib, name).argtypes = argtypes
-        getattr(lib, name).restype = _RESTYPES.get(name)
-    return lib
+    signatures = {name: (argtypes, _RESTYPES.get(name)) for name, argtypes in _SIGNATURES.items()}
+    return open_library(build_library(cache_dir), "arborlm_abi_version", ABI_VERSION, signatures)
 
 
 @functools.cache

@@ -130,15 +130,7 @@ def load_library(cache_dir: Path) -> ctypes.CDLL:
     from arborlm.kernels import cpu_ops
 
     path = cpu_ops.build_library(cache_dir, SOURCES, "linear_avx512")
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        raise cpu_ops.KernelBuildError(f"cannot load {path}: {e}") from e
-    for name, (argtypes, restype) in _SIGNATURES.items():
-        getattr(lib, name).argtypes = argtypes
-        getattr(lib, name).restype = restype
-    if lib.arborlm_gemv_abi_version() != ABI_VERSION:
-        raise cpu_ops.KernelBuildError(f"{path} has ABI {lib.arborlm_gemv_abi_version()}, expected {ABI_VERSION}")
+    lib = cpu_ops.open_library(path, "arborlm_gemv_abi_version", ABI_VERSION, _SIGNATURES)
     if not lib.arborlm_linear_bf16_avx512_ready():
         raise cpu_ops.KernelBuildError("this CPU has no AVX-512 BF16")
     return lib

@@ -71,16 +71,7 @@ def load_library(cache_dir: Path) -> ctypes.CDLL:
         When the library cannot be built or loaded, or is of another ABI version.
     """
     path = cpu_ops.build_library(cache_dir, SOURCES, "quant_kernels")
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        raise KernelBuildError(f"cannot load {path}: {e}") from e
-    if lib.arborlm_quant_abi_version() != ABI_VERSION:
-        raise KernelBuildError(f"{path} has ABI {lib.arborlm_quant_abi_version()}, expected {ABI_VERSION}")
-    for name, (argtypes, restype) in _SIGNATURES.items():
-        getattr(lib, name).argtypes = argtypes
-        getattr(lib, name).restype = restype
-    return lib
+    return cpu_ops.open_library(path, "arborlm_quant_abi_version", ABI_VERSION, _SIGNATURES)
 
 
 @functools.cache
