@@ -38,6 +38,11 @@ def embedding_dir(tmp_path_factory, smollm_dir) -> Path:
     for name in TOKENIZER_FILES:
         if (smollm_dir / name).is_file():
             (folder / name).write_bytes((smollm_dir / name).read_bytes())
+    # an embedding checkpoint has no chat template (generation routes must still say it is an embedding server)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tok_config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config))
     modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
                {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
@@ -158,7 +163,10 @@ def test_bad_input_is_a_400(emb_http, body, param):
 def test_embedding_server_refuses_generation(client, emb_http):
     with pytest.raises(BadRequestError) as e:
         client.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}])
-    assert e.value.body["param"] == "model"
+    assert e.value.body["param"] == "model" and "--is-embedding" in e.value.body["message"]
+    resp = emb_http.post("/v1/responses", json={"model": "default", "input": "hi"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "model", resp.json()
+    assert "--is-embedding" in resp.json()["error"]["message"]
     resp = emb_http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
     assert resp.status_code == 400 and "embedding" in resp.json()["error"]["message"]
     assert emb_http.get("/get_model_info").json()["is_generation"] is False

@@ -54,6 +54,7 @@ from arborlm.entrypoints.openai.reasoning_parser import (
     reasoning_mode,
     split_reasoning,
 )
+from arborlm.entrypoints.openai.serving_embeddings import refuse_generation
 from arborlm.entrypoints.openai.tool_calls import (
     ToolPlan,
     add_tool_grammar,
@@ -121,6 +122,7 @@ async def chat_completions(request: Request) -> Response:
     state = get_state(request)
     req = await parse_body(request, ChatCompletionRequest)
     state.check_model(req.model)
+    refuse_generation(state)
     manager = state.live_manager()
     chat = state.server_args.chat
     fmt = tool_call_format(chat.tool_call_parser, getattr(state.tokenizer, "chat_template", None))

@@ -77,6 +77,20 @@ def embedding_pooling(state: ServerState, param: str) -> PoolingConfig:
     return _pooling(state.model_info.checkpoint)
 
 
+def refuse_generation(state: ServerState) -> None:
+    """Refuse a generation route (chat, responses) on an embedding server before its prompt is
+    rendered: an embedding checkpoint often has no chat template, and that 400 would name the wrong
+    field.
+
+    Raises
+    ------
+    APIError: 400 naming `model` on a server started with `--is-embedding`.
+    """
+    if state.server_args.model.is_embedding:
+        raise bad_request("this server serves an embedding model (--is-embedding): it answers "
+                          "/v1/embeddings and /encode, not generation", param="model")
+
+
 @router.post("/v1/embeddings")
 async def create_embeddings(request: Request) -> dict[str, Any]:
     """OpenAI's embeddings answer: `data` in input order, `usage` counting the prompt tokens."""

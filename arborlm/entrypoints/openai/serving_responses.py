@@ -65,6 +65,7 @@ from arborlm.entrypoints.openai.responses_request import (
     constraint_params,
     responses_params,
 )
+from arborlm.entrypoints.openai.serving_embeddings import refuse_generation
 from arborlm.entrypoints.openai.tool_calls import ToolPlan, plan_tools
 from arborlm.entrypoints.openai.tool_parsers.registry import tool_call_format
 from arborlm.entrypoints.request_builder import build_batch
@@ -180,6 +181,7 @@ async def create_response(request: Request) -> Response:
     state = get_state(request)
     req = await parse_body(request, ResponsesRequest)
     state.check_model(req.model)
+    refuse_generation(state)
     manager = state.live_manager()
     store = response_store(request)
     previous = store.get(req.previous_response_id, "previous_response_id").conversation \
