@@ -196,6 +196,8 @@ BAD_INPUT = [
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "hi", "temperature": "hot"}, "temperature"),
     ({"input": []}, "input"),
+    ({"input": "hi", "background": True}, "background"),  # no background mode: refused, not answered inline
+    ({"input": "hi", "background": "yes"}, "background"),
 ]
 
 
@@ -211,3 +213,15 @@ def test_unknown_response_id_is_404(http):
     resp = http.get("/v1/responses/resp_unknown")
     assert resp.status_code == 404 and resp.json()["error"]["code"] == "response_not_found"
     assert http.delete("/v1/responses/resp_unknown").status_code == 404
+
+
+def test_neutral_and_ignored_fields_are_accepted(http):
+    """`include`, `truncation` and `reasoning.effort` are accepted and ignored (docs/agents.md), as is
+    `background: false`."""
+    body = {"model": "default", "input": "Hi", "max_output_tokens": 2, "background": False,
+            "include": ["reasoning.encrypted_content", "message.output_text.logprobs"], "truncation": "auto",
+            "reasoning": {"effort": "low", "summary": "auto"}}
+    resp = http.post("/v1/responses", json=body)
+    assert resp.status_code == 200, resp.json()
+    Response.model_validate(resp.json())
+    assert resp.json()["status"] in ("completed", "incomplete")

@@ -87,6 +87,7 @@ class ResponsesRequest(_Body):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    background: bool = False  # only false: arborlm has no background mode (`serving_responses`)
     # vLLM's and SGLang's extras
     top_k: int | None = None
     min_p: float | None = None

@@ -33,6 +33,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from arborlm.constrained.json_schema import PreparedSchema, validate_json_output
+from arborlm.entrypoints.http_errors import bad_request
 from arborlm.entrypoints.openai.chat_render import RenderedChat, render_chat
 from arborlm.entrypoints.openai.common import (
     OPENAI_RULES,
@@ -181,6 +182,9 @@ async def create_response(request: Request) -> Response:
     state = get_state(request)
     req = await parse_body(request, ResponsesRequest)
     state.check_model(req.model)
+    if req.background:  # vLLM and SGLang queue it and answer `queued`; arborlm answers in the request
+        raise bad_request("background responses are not supported: send background false (the default) "
+                          "and wait for the answer, or stream it", param="background")
     refuse_generation(state)
     manager = state.live_manager()
     store = response_store(request)
