@@ -151,7 +151,9 @@ def test_sentence_transformers_agrees(client, embedding_dir):
     ({}, "input"),
     ({"input": []}, "input"),
     ({"input": ["ok", ""]}, "input[1]"),
-    ({"input": [[1, 2], [10**9]]}, "input"),
+    ({"input": [[1, 2], [10**9]]}, "input[1][0]"),  # the id's place, as /detokenize names it
+    ({"input": [5, -1]}, "input[1]"),
+    ({"input": [[3, 4, 49152]]}, "input[0][2]"),
     ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
 ])
 def test_bad_input_is_a_400(emb_http, body, param):
@@ -178,3 +180,9 @@ def test_generation_server_refuses_embeddings(http):
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "model"
     assert "--is-embedding" in resp.json()["error"]["message"]
     assert http.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+
+
+def test_encode_names_an_out_of_vocabulary_id(emb_http):
+    resp = emb_http.post("/encode", json={"input_ids": [1, 10**9]})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "input_ids[1]", resp.json()
+    assert emb_http.post("/encode", json={"input_ids": [1, 2]}).status_code == 200

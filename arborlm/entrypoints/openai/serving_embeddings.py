@@ -134,16 +134,26 @@ def _prompts(state: ServerState, given: Any, param: str) -> list[list[int]]:
 
     Raises
     ------
-    APIError: 400 naming `param[i]` for an empty input, `param` for an empty list.
+    APIError: 400 naming `param[i]` for an empty input, `param` for an empty list, and the
+        place of a token id outside the vocabulary as /detokenize does (`param[k]` in one
+        list of ids, `param[i][k]` in a list of them).
     """
-    if isinstance(given, str) or (given and isinstance(given[0], int)):
+    flat_ids = bool(given) and not isinstance(given, str) and isinstance(given[0], int)
+    if isinstance(given, str) or flat_ids:
         given = [given]
     if not given:
         raise bad_request(f"{param} is empty: give a string, a list of strings or token ids", param=param)
     prompts = [state.tokenizer.encode(g) if isinstance(g, str) else list(g) for g in given]
+    vocab = state.model_info.vocab_size
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise bad_request(f"{param}[{i}] is empty", param=f"{param}[{i}]")
+        if isinstance(given[i], str):
+            continue
+        for k, token in enumerate(prompt):
+            if not 0 <= token < vocab:
+                where = f"{param}[{k}]" if flat_ids else f"{param}[{i}][{k}]"
+                raise bad_request(f"{where}: token id {token} is outside the vocabulary [0, {vocab})", where)
     return prompts
 
 
