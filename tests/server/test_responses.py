@@ -198,6 +198,7 @@ BAD_INPUT = [
     ({"input": []}, "input"),
     ({"input": "hi", "background": True}, "background"),  # no background mode: refused, not answered inline
     ({"input": "hi", "background": "yes"}, "background"),
+    ({"input": "word " * 1100, "truncation": "auto"}, "input"),  # auto drops nothing (docs/agents.md)
 ]
 
 
@@ -225,3 +226,15 @@ def test_neutral_and_ignored_fields_are_accepted(http):
     assert resp.status_code == 200, resp.json()
     Response.model_validate(resp.json())
     assert resp.json()["status"] in ("completed", "incomplete")
+
+
+def test_seed_through_extra_body(client):
+    """docs/agents.md: openai 3.x's responses.create has no `seed`; `extra_body` carries it, and the
+    same seed gives the same sampled text."""
+    def sampled(seed: int) -> str:
+        return client.responses.create(model="default", input="Pick a word.", temperature=1.0,
+                                       max_output_tokens=12, extra_body={"seed": seed}).output_text
+
+    first = sampled(7)
+    assert sampled(7) == first
+    assert any(sampled(s) != first for s in (8, 9, 10))  # the seed reaches the sampler
