@@ -300,7 +300,9 @@ CASES: list[Case] = [
     Case("flush_cache with PUT", "/flush_cache", method="PUT", status=405),
     Case("generate with GET", "/generate", method="GET", status=405),
     Case("chat with DELETE", "/v1/chat/completions", method="DELETE", status=405),
-    Case("unknown route", "/v1/embeddings", {"input": "x"}, status=404),
+    Case("unknown route", "/v1/audio/transcriptions", {"input": "x"}, status=404),
+    # /v1/embeddings exists now: on a generation server it is a 400 naming model.
+    Case("embeddings on a generation server", "/v1/embeddings", {"input": "x"}, param="model"),
     Case("unknown model", "/v1/chat/completions", {"model": "gpt-4", "messages": MESSAGES}, status=404,
          param="model"),
     Case("retrieve unknown model", "/v1/models/gpt-4", method="GET", status=404, param="model"),
