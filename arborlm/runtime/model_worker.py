@@ -112,6 +112,15 @@ class GenerationResult:
     invalid_rows: tuple[int, ...] = ()
     embeddings: list[list[float] | None] | None = None
 
+    def check_shape(self, num_sampled: int, num_reqs: int) -> None:
+        """Raise RuntimeError unless there is a token per sampled row and a prompt-logprob
+        entry per request (a worker bug must not desynchronise the scheduler's bookkeeping)."""
+        if len(self.next_token_ids) != num_sampled or len(self.logprob_infos) != num_sampled:
+            raise RuntimeError(f"worker returned {len(self.next_token_ids)} tokens for {num_sampled} sampled requests")
+        if len(self.prompt_logprobs) != num_reqs:
+            raise RuntimeError(f"worker returned {len(self.prompt_logprobs)} prompt logprob entries for {num_reqs} "
+                               "requests")
+
 
 class Worker(Protocol):
     """What the scheduler needs of a model worker (`ModelWorker`, or a fake in tests).

@@ -92,6 +92,16 @@ class Req:
             max_prefix = min(max_prefix, max(self.logprob_start_len - 1, 0))
         return self.fill_ids[:max_prefix]
 
+    def takes_next_token(self, is_extend: bool) -> bool:
+        """Whether this request samples a token in this step (decided before the step runs).
+
+        Not a chunked prompt with tokens left after this chunk, nor a request that
+        asked for no new token (it finishes once prefilled).
+        """
+        if self.sampling_params.max_new_tokens == 0:
+            return False
+        return not is_extend or self.kv_len + self.extend_input_len >= len(self.fill_ids)
+
     def wants_prompt_logprobs(self) -> bool:
         return (
             self.return_logprob

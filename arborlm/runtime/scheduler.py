@@ -431,7 +431,7 @@ class Scheduler:
             self.stats["num_prefill_tokens_computed"] += num_new
         else:
             self.stats["num_decode_steps"] += 1
-        batch.sample_rows = [i for i, req in enumerate(batch.reqs) if takes_next_token(req, is_extend)]
+        batch.sample_rows = [i for i, req in enumerate(batch.reqs) if req.takes_next_token(is_extend)]
         try:
             prepare = batch.prepare_extend if is_extend else batch.prepare_decode
             if batch.draft_tokens is not None:
@@ -440,7 +440,7 @@ class Scheduler:
             result = self.worker.forward_batch_generation(
                 ModelWorkerBatch(forward_batch, batch.reqs, batch.sample_rows, batch.draft_tokens))
             if batch.draft_tokens is None:
-                check_result_shape(batch, result)
+                result.check_shape(len(batch.sample_rows), len(batch.reqs))
             return result
         except Exception:
             self.kv.free_slots(out_cache_loc)
@@ -450,7 +450,7 @@ class Scheduler:
         """Bookkeeping of a step the worker ran: advance every request over its new KV,
         append the sampled tokens, advance grammars, finish, jump forward, release."""
         if batch.draft_tokens is not None:
-            return self.process_verify_result(batch, result)
+            return self._end_step(batch, spec.process_verify_result(self, batch, result))
         is_extend = batch.forward_mode.is_extend()
         running = set(map(id, self.running))
         for req, prompt_logprobs in zip(batch.reqs, result.prompt_logprobs):
@@ -463,9 +463,9 @@ class Scheduler:
         invalid = set(result.invalid_rows)
         for j, (req, token_id, logprob_info) in enumerate(zip(sampled, result.next_token_ids, result.logprob_infos)):
             if j in invalid:
-                outputs.append(self._abort_non_finite(req))
+                outputs.append(self.abort_non_finite(req))
                 continue
-            forced = self._append_token(req, token_id)
+            forced = self.append_token(req, token_id)
             outputs.append(self.output_processor.make_output(req, [token_id, *forced], logprob_info))
             if req.finished:
                 if self.speculator is not None:
@@ -475,63 +475,13 @@ class Scheduler:
                 self.jump_forward_reqs.append(req)
             elif is_extend and id(req) not in running:
                 self.running.append(req)
+        return self._end_step(batch, outputs)
+
+    def _end_step(self, batch: ScheduleBatch, outputs: list[ReqOutput]) -> list[ReqOutput]:
+        """Abort the rows the worker flagged and drop finished and jumping requests from the running set."""
         outputs.extend(self._abort_flagged(batch))
         self.running = [r for r in self.running if not r.finished and r not in self.jump_forward_reqs]
         return outputs
-
-    def process_verify_result(self, batch: ScheduleBatch, result: GenerationResult) -> list[ReqOutput]:
-        """Bookkeeping of a speculative decode step (see `speculative.scheduling`).
-
-        Each request appends its emitted tokens one by one, as decode steps would
-        (grammar, finish checks, stop strings), until one finishes it or forces a
-        jump; then its row keeps the KV of the tokens it kept and the rest is freed
-        at once. Should appending raise, every chain of the step is freed before the
-        step is aborted (no request's `kv_len` covers any of them yet).
-        """
-        invalid = set(result.invalid_rows)
-        tokens = spec.split_verify_tokens(result.accept_lens, result.next_token_ids)
-        infos = spec.split_verify_tokens(result.accept_lens, result.logprob_infos)
-        pairs = list(zip(batch.reqs, batch.draft_tokens))
-        try:
-            appended = [self._append_verified(req, tokens[j], j in invalid) for j, (req, _) in enumerate(pairs)]
-        except Exception:
-            for req, draft in pairs:
-                self.kv.free_slots(spec.rejected_slots(self.kv.req_to_token_pool, req, len(draft), 0))
-            raise
-        outputs = []
-        for j, ((req, draft), (kept, forced)) in enumerate(zip(pairs, appended)):
-            self.kv.free_slots(spec.rejected_slots(self.kv.req_to_token_pool, req, len(draft), max(1, len(kept))))
-            req.kv_len += max(1, len(kept))
-            if j in invalid:
-                outputs.append(self._abort_non_finite(req))
-                continue
-            self.speculator.on_verified(req, len(draft), len(kept))
-            outputs.append(spec.with_token_logprobs(self.output_processor.make_output(req, kept + forced),
-                                                    infos[j][: len(kept)]))
-            if req.finished:
-                self.speculator.on_finished(req)
-                self.kv.release_req(req)
-            elif forced:
-                self.jump_forward_reqs.append(req)
-        self.speculator.stats.num_verify_steps += 1
-        outputs.extend(self._abort_flagged(batch))
-        self.running = [r for r in self.running if not r.finished and r not in self.jump_forward_reqs]
-        return outputs
-
-    def _append_verified(self, req: Req, tokens: list[int], invalid: bool) -> tuple[list[int], list[int]]:
-        """Append a verified request's tokens until one finishes it or forces a jump;
-        returns (the tokens kept, the tokens the grammar forced after them). An invalid
-        row appends nothing (the request is aborted; its last token's KV is kept)."""
-        kept: list[int] = []
-        forced: list[int] = []
-        if invalid:
-            return kept, forced
-        for token_id in tokens:
-            kept.append(token_id)
-            forced = self._append_token(req, token_id)
-            if req.finished or forced:
-                break
-        return kept, forced
 
     def _finish_prefill_only(self, batch: ScheduleBatch, embeddings: list | None = None) -> list[ReqOutput]:
         """Finish the requests that asked for no new token once their prompt is in the cache;
@@ -548,7 +498,7 @@ class Scheduler:
             self.kv.release_req(req)
         return outputs
 
-    def _append_token(self, req: Req, token_id: int) -> list[int]:
+    def append_token(self, req: Req, token_id: int) -> list[int]:
         """Append a sampled token, advance the grammar, check the finish, then jump forward.
 
         Returns the tokens the grammar forced after it (see `jump_forward`).
@@ -559,7 +509,7 @@ class Scheduler:
         self.output_processor.check_finished(req)
         return self.jump_forward(req)
 
-    def _abort_non_finite(self, req: Req) -> ReqOutput:
+    def abort_non_finite(self, req: Req) -> ReqOutput:
         """Abort one request whose logits were not finite; the rest of its step goes on."""
         logger.error("request %s: non-finite logits or probabilities; aborting it alone", req.rid)
         self.stats["num_non_finite_aborts"] += 1
@@ -641,23 +591,3 @@ class Scheduler:
         and every request row free or a live request's (`KVManager.check_invariants`)."""
         self.kv.check_invariants(self.alive_reqs())
 
-
-def check_result_shape(batch: ScheduleBatch, result: GenerationResult) -> None:
-    """Raise RuntimeError unless `result` has a token per sampled row and a prompt-logprob
-    entry per request of `batch` (a worker bug must not desynchronise the bookkeeping)."""
-    num_sampled, num_reqs = len(batch.sample_rows), len(batch.reqs)
-    if len(result.next_token_ids) != num_sampled or len(result.logprob_infos) != num_sampled:
-        raise RuntimeError(f"worker returned {len(result.next_token_ids)} tokens for {num_sampled} sampled requests")
-    if len(result.prompt_logprobs) != num_reqs:
-        raise RuntimeError(f"worker returned {len(result.prompt_logprobs)} prompt logprob entries for {num_reqs} requests")
-
-
-def takes_next_token(req: Req, is_extend: bool) -> bool:
-    """Whether `req` samples a token in this step (decided before the step runs).
-
-    Not a chunked prompt with tokens left after this chunk, nor a request that
-    asked for no new token (it finishes once prefilled).
-    """
-    if req.sampling_params.max_new_tokens == 0:
-        return False
-    return not is_extend or req.kv_len + req.extend_input_len >= len(req.fill_ids)

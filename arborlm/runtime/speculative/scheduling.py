@@ -240,3 +240,59 @@ def make_speculator(config: SpeculativeConfig, context_length: int) -> Speculato
     if config.speculative_algorithm == "NGRAM":
         return Speculator(config, context_length)
     raise ValueError(f"speculative_algorithm={config.speculative_algorithm!r} is not served")
+
+
+def process_verify_result(scheduler, batch, result) -> list:
+    """Bookkeeping of a speculative decode step, for `Scheduler.process_batch_result`.
+
+    Each request appends its emitted tokens one by one, as decode steps would
+    (grammar, finish checks, stop strings: `scheduler.append_token`), until one finishes
+    it or forces a jump; then its row keeps the KV of the tokens it kept and the rest is
+    freed at once. Should appending raise, every chain of the step is freed before the
+    step is aborted (no request's `kv_len` covers any of them yet). Returns the step's
+    outputs (the scheduler then aborts flagged rows and updates its running set).
+    """
+    kv = scheduler.kv
+    invalid = set(result.invalid_rows)
+    tokens = split_verify_tokens(result.accept_lens, result.next_token_ids)
+    infos = split_verify_tokens(result.accept_lens, result.logprob_infos)
+    pairs = list(zip(batch.reqs, batch.draft_tokens))
+    try:
+        appended = [_append_verified(scheduler, req, tokens[j], j in invalid) for j, (req, _) in enumerate(pairs)]
+    except Exception:
+        for req, draft in pairs:
+            kv.free_slots(rejected_slots(kv.req_to_token_pool, req, len(draft), 0))
+        raise
+    outputs = []
+    for j, ((req, draft), (kept, forced)) in enumerate(zip(pairs, appended)):
+        kv.free_slots(rejected_slots(kv.req_to_token_pool, req, len(draft), max(1, len(kept))))
+        req.kv_len += max(1, len(kept))
+        if j in invalid:
+            outputs.append(scheduler.abort_non_finite(req))
+            continue
+        scheduler.speculator.on_verified(req, len(draft), len(kept))
+        outputs.append(with_token_logprobs(scheduler.output_processor.make_output(req, kept + forced),
+                                           infos[j][: len(kept)]))
+        if req.finished:
+            scheduler.speculator.on_finished(req)
+            kv.release_req(req)
+        elif forced:
+            scheduler.jump_forward_reqs.append(req)
+    scheduler.speculator.stats.num_verify_steps += 1
+    return outputs
+
+
+def _append_verified(scheduler, req: Req, tokens: list[int], invalid: bool) -> tuple[list[int], list[int]]:
+    """Append a verified request's tokens until one finishes it or forces a jump;
+    returns (the tokens kept, the tokens the grammar forced after them). An invalid
+    row appends nothing (the request is aborted; its last token's KV is kept)."""
+    kept: list[int] = []
+    forced: list[int] = []
+    if invalid:
+        return kept, forced
+    for token_id in tokens:
+        kept.append(token_id)
+        forced = scheduler.append_token(req, token_id)
+        if req.finished or forced:
+            break
+    return kept, forced

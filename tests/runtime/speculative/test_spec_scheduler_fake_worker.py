@@ -242,7 +242,7 @@ def test_bookkeeping_that_raises_frees_every_chain(monkeypatch):
     that step's requests; every chain slot of the step comes back."""
     scripts = {rid: copy_script(rid) for rid in RIDS}
     sched = create_spec_scheduler(scripts)
-    append = sched._append_token
+    append = sched.append_token
     calls = {"n": 0}
 
     def flaky(req, token_id):
@@ -252,7 +252,7 @@ def test_bookkeeping_that_raises_frees_every_chain(monkeypatch):
                 raise RuntimeError("injected bookkeeping failure")
         return append(req, token_id)
 
-    monkeypatch.setattr(sched, "_append_token", flaky)
+    monkeypatch.setattr(sched, "append_token", flaky)
     result = run(sched)
     assert calls["n"] >= 2
     assert any(f["type"] == "abort" for f in result.finish.values())
