@@ -111,6 +111,10 @@ def test_dp_serves_native_and_openai_routes_through_the_router(dp_server, tiny_l
             "model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0})
         assert chat.status_code == 200, chat.text
         assert chat.json()["usage"]["completion_tokens"] == 4
+        # The router re-encodes Responses bodies too (stream, store, ... as null).
+        resp = client.post("/v1/responses", json={"model": "default", "input": "hi", "max_output_tokens": 4})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["output_tokens"] == 4
     # The workers check the client's key, which the router passes on.
     assert httpx.post(f"{dp_server.base_url}/generate", json=_greedy("x")).status_code == 401
 

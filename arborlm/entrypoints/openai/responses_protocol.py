@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Body(BaseModel):
@@ -93,3 +93,11 @@ class ResponsesRequest(_Body):
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
+
+    @field_validator("stream", "store", "background", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value: Any, info) -> Any:
+        """null means "not set": sglang-router re-encodes every body with these as null."""
+        if value is None:
+            return cls.model_fields[info.field_name].default
+        return value
