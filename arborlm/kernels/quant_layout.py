@@ -295,3 +295,93 @@ def cat_rows(weights: Sequence[QuantWeight]) -> QuantWeight:
     parts = [unpack_rows(w) for w in weights]
     stacked = [None if p is None else torch.cat([part[i] for part in parts]) for i, p in enumerate(parts[0])]
     return pack_rows(first.fmt, GgmlRows(*stacked))
+
+
+INT4_GROUP_SIZES = (32, 128)  # values per int4 group: the kernels' block, or four of them
+# Range shrink factors tried per group (`quantize_groupwise_int4`): 1 is plain min / max.
+_INT4_RANGE_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8)
+
+
+def quantize_groupwise_int4(weight: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, ...]:
+    """Asymmetric group-wise 4-bit quantization of a float weight:
+    `weight[r, j] ~ q[r, j] * scale[r, g] + minimum[r, g]` with g = j // group_size.
+
+    Each group's range [lo, hi] is its min and max, shrunk about its centre by the factor of
+    `_INT4_RANGE_SHRINK` that gives the least squared error (a grid search in the spirit of
+    AWQ's clipping search and of llama.cpp's `make_qkx2_quants`, which likewise trades clipped
+    outliers for finer steps); then scale = (hi - lo) / 15 and minimum = lo, both rounded to
+    fp16 (the kernels read fp16), and q = round((w - minimum) / scale) in [0, 15] against the
+    rounded values. This is ggml's Q4_1 math with a group of `group_size` values (the zero
+    point is the float minimum, as HQQ's and torchao's float zero-point domain).
+
+    Parameters
+    ----------
+    weight: (out_features, in_features), any float dtype; in_features a multiple of group_size.
+    group_size: values per group, one of `INT4_GROUP_SIZES`.
+
+    Returns
+    -------
+    (q, scale, minimum): q (out, in) uint8 in [0, 15]; scale and minimum (out, in / group_size)
+    float16; a constant group gets scale 1 and q 0.
+
+    Raises
+    ------
+    ValueError
+        For a group size not in `INT4_GROUP_SIZES`, or a weight that is not 2-D, is empty, or
+        whose in_features is not a multiple of group_size.
+    """
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    if weight.dim() != 2 or weight.shape[0] == 0 or weight.shape[1] == 0 or weight.shape[1] % group_size:
+        raise ValueError(
+            f"int4 weights need a 2-D weight with in_features a multiple of group_size={group_size}, "
+            f"got shape {tuple(weight.shape)}"
+        )
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // group_size, group_size)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    centre, half = (hi + lo) / 2, (hi - lo) / 2
+    best = None
+    for shrink in _INT4_RANGE_SHRINK:
+        candidate = _int4_round(w, centre - half * shrink, centre + half * shrink)
+        if best is None:
+            best = candidate
+        else:
+            better = candidate[3] < best[3]
+            best = tuple(torch.where(better.unsqueeze(-1) if c.dim() == 3 else better, c, b)
+                         for c, b in zip(candidate, best))
+    q, scale, minimum, _ = best
+    return q.reshape(n, k).to(torch.uint8), scale, minimum
+
+
+def _int4_round(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """w (n, groups, size) rounded to 4 bits over [lo, hi] per group: (q, scale, minimum, squared error)."""
+    scale = ((hi - lo) / 15).to(torch.float16)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    minimum = lo.to(torch.float16)
+    s, m = scale.float().unsqueeze(-1), minimum.float().unsqueeze(-1)
+    q = torch.round((w - m) / s).clamp_(0, 15)
+    error = ((q * s + m - w) ** 2).sum(dim=-1)
+    return q, scale, minimum, error
+
+
+def pack_int4_groupwise(weight: torch.Tensor, group_size: int = 32) -> QuantWeight:
+    """A float weight (out, in) quantized to 4 bits per group (`quantize_groupwise_int4`) and
+    packed as Q4_1 tiles, each block of 32 holding its group's scale and minimum, so the Q4_1
+    kernels (VNNI int8 dot products at decode, a dequantized GEMM at prefill) serve it
+    unchanged: 0.5 + 4/32 bytes per weight for either group size (a group of 128 repeats its
+    scale over four blocks: no smaller, only a coarser fit).
+
+    Raises
+    ------
+    ValueError
+        As `quantize_groupwise_int4`.
+    """
+    q, scale, minimum = quantize_groupwise_int4(weight, group_size)
+    n, k = q.shape
+    repeat = group_size // BLOCK
+    blocks = q.reshape(n, k // BLOCK, 2, BLOCK // 2)  # Q4's byte order: value j low, value j + 16 high
+    quants = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).contiguous()
+    scales = scale.repeat_interleave(repeat, dim=1).contiguous()
+    mins = minimum.repeat_interleave(repeat, dim=1).contiguous()
+    return pack_rows("q4_1", GgmlRows(quants, scales, mins))

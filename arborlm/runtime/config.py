@@ -22,8 +22,9 @@ from arborlm.runtime.layers.attention.names import ATTENTION_BACKEND_NAMES
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Weight formats served as stored (SGLang's --quantization names); "int8" quantizes a float
-# checkpoint's linears per channel at load (SGLang: --torchao-config int8wo); "none" dequantizes.
-QUANTIZATIONS = ("gguf", "int8", "none")
+# checkpoint's linears per channel at load (SGLang: --torchao-config int8wo); "int4" per group of 32
+# (int4wo-32 / int4wo-128: SGLang's --torchao-config names, that group size); "none" dequantizes.
+QUANTIZATIONS = ("gguf", "int8", "int4", "int4wo-32", "int4wo-128", "none")
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 ATTENTION_BACKENDS = ATTENTION_BACKEND_NAMES  # one list, torch-free: runtime/layers/attention/names.py
@@ -85,6 +86,8 @@ class ModelConfig:
         default=None,
         metadata={"help": "gguf: serve a GGUF file's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K tensors as stored (int8 kernels), "
                           "int8: weight-only int8, per output channel, quantized at load (torchao's int8wo), "
+                          "int4 / int4wo-32 / int4wo-128: weight-only 4-bit, a scale and zero point per group of "
+                          "32 / 32 / 128 inputs, quantized at load (torchao's int4wo), "
                           "none: dequantize to dtype; default gguf for a quantized GGUF file, else none "
                           "(SGLang's --quantization)"},
     )

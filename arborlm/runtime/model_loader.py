@@ -311,7 +311,7 @@ def resolve_quantization(model_path: str | os.PathLike[str] | None, quantization
     from arborlm.runtime.layers.quantization.gguf_loader import SERVED_TYPES
     from arborlm.runtime.layers.quantization.gguf_names import QUANTIZED_ARCHS
 
-    if quantization in ("none", "int8"):
+    if quantization in ("none", "int8", "int4", "int4wo-32", "int4wo-128"):  # float weights, quantized at load
         return None
     path = default_model_path() if model_path is None else Path(model_path).expanduser()
     if not (path.is_file() and path.suffix == ".gguf"):
@@ -438,6 +438,7 @@ def load_model(
     quantization: str | None = None,
     kv_cache_dtype: str = "auto",
     is_embedding: bool = False,
+    parallel=None,
 ) -> LoadedModel:
     """Build our model for `checkpoint` and load its weights.
 
@@ -455,12 +456,16 @@ def load_model(
     progress: a progress bar of the tensors loaded, on stderr: True, False, or None
         (default) for only when stderr is a terminal and `TQDM_DISABLE` is unset.
     quantization: "int8" quantizes the loaded linears to weight-only int8 per channel
-        (`layers/quantization/int8_weights.py`); other values change nothing here.
+        (`layers/quantization/int8_weights.py`), "int4" / "int4wo-32" / "int4wo-128" to
+        4 bits per group (`int4_weights.py`); other values change nothing here.
     kv_cache_dtype: "auto", or an fp8 name of `memory_pool.KV_CACHE_DTYPES`: the
         model then attends through `QuantizedKVAttentionBackend` (K/V stored in fp8,
         read upcast), whatever `attention_backend` says.
     is_embedding: serving embeddings (`--is-embedding`); then a bare decoder checkpoint
         (`registry.BARE_MODELS`: no LM head) is loaded too, its head tied to the embedding.
+    parallel: this rank's `distributed.ParallelState` when tp_size > 1: the model is built
+        split (`models/llama.py`) and loads only its slices; None for a single rank. Several
+        ranks for an architecture not in `llama.TENSOR_PARALLEL_ARCHITECTURES`: ValueError.
 
     Raises
     ------
@@ -468,7 +473,8 @@ def load_model(
         For an unsupported architecture or missing / mismatched weights, or a bare
         decoder checkpoint without `is_embedding`.
     ValueError
-        For an attention backend that cannot run on `device`.
+        For an attention backend that cannot run on `device`; for int4 on a model with a
+        linear whose input width is not a multiple of the group (naming the dimension).
     """
     from transformers import AutoConfig
 
@@ -477,6 +483,7 @@ def load_model(
 
     architecture = check_architecture(checkpoint)
     model_class = registry.model_class(architecture)
+    tp_kwargs = _tensor_parallel_kwargs(architecture, parallel)
     if device.type == "cpu":
         set_cpu_threads()
     # A multimodal checkpoint (registry.TEXT_ONLY_MODELS) is served by its language model;
@@ -489,7 +496,7 @@ def load_model(
     bare = _is_bare_decoder(checkpoint, is_embedding)
     if bare:
         hf_config.tie_word_embeddings = True  # no head in the checkpoint; embeddings never use it
-    model = model_class(hf_config, dtype, device, attn_backend, ops)
+    model = model_class(hf_config, dtype, device, attn_backend, ops, **tp_kwargs)
     if gguf_file is None:
         weights = iter_safetensors(checkpoint, progress)
         model.load_weights(_with_model_prefix(weights) if bare else weights)
@@ -497,8 +504,28 @@ def load_model(
         _load_gguf_quantized(model, gguf_file, hf_config, device, cpu_kernels)
     if quantization == "int8":
         _quantize_int8(model, device, cpu_kernels)
+    elif quantization is not None and quantization.startswith("int4"):
+        _quantize_int4(model, device, cpu_kernels, quantization)
     model.eval()
     return LoadedModel(model=model, hf_config=hf_config, checkpoint=checkpoint, architecture=architecture)
+
+
+def _tensor_parallel_kwargs(architecture: str, parallel) -> dict:
+    """`{"parallel": parallel}` for a model split over several ranks, {} for one rank.
+
+    Raises
+    ------
+    ValueError: several ranks for an architecture served on one only, naming it and tp_size.
+    """
+    if parallel is None or not parallel.is_parallel:
+        return {}
+    from arborlm.runtime.models.llama import TENSOR_PARALLEL_ARCHITECTURES
+
+    if architecture not in TENSOR_PARALLEL_ARCHITECTURES:
+        raise ValueError(f"tp_size={parallel.tp_size}: the {architecture} architecture is served on one rank "
+                         f"only (tensor parallelism covers {', '.join(TENSOR_PARALLEL_ARCHITECTURES)}); "
+                         "use tp_size=1")
+    return {"parallel": parallel}
 
 
 def _is_bare_decoder(checkpoint: Path, is_embedding: bool) -> bool:
@@ -537,6 +564,16 @@ def _quantize_int8(model: torch.nn.Module, device: torch.device, native: bool) -
     from arborlm.runtime.layers.quantization.int8_weights import quantize_linears_int8
 
     quantize_linears_int8(model, quant_ops(device, native=native))
+
+
+def _quantize_int4(model: torch.nn.Module, device: torch.device, native: bool, quantization: str) -> None:
+    """Replace `model`'s loaded linears by group-wise int4 ones (`quantization="int4"`, "int4wo-<group>";
+    ValueError naming the dimension when one is not a multiple of the group)."""
+    from arborlm.kernels.quant_ops import quant_ops
+    from arborlm.runtime.layers.quantization import int4_weights
+
+    group_size = int4_weights.INT4_QUANTIZATIONS[quantization]
+    int4_weights.quantize_linears_int4(model, quant_ops(device, native=native), group_size)
 
 
 def _quantized_kv_backend(kv_cache_dtype: str, device: torch.device, native):

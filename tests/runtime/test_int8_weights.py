@@ -71,7 +71,7 @@ def test_kernels_agree_with_the_unquantized_model(llama_dir, dtype):
 def test_int8_loads_float_weights_and_bad_values_are_refused(llama_dir):
     assert resolve_quantization(str(llama_dir), "int8") is None
     with pytest.raises(ValueError, match="quantization"):
-        ModelConfig(quantization="int4")
+        ModelConfig(quantization="int2")
     ModelConfig(model_path=str(llama_dir), quantization="int8")  # accepted for a checkpoint folder
 
 

@@ -16,11 +16,13 @@ float (logged).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
-from arborlm.kernels.quant_layout import pack_int8_per_channel
+from arborlm.kernels.quant_layout import QuantWeight, pack_int8_per_channel
 from arborlm.kernels.quant_ops import QuantOps
 from arborlm.runtime.layers.linear import Linear
 from arborlm.runtime.layers.moe import DOWN, GATE, UP, FusedMoE
@@ -61,12 +63,7 @@ def quantize_linears_int8(model: nn.Module, ops: QuantOps) -> Int8Report:
         if module.weight.shape[1] % INT8_BLOCK:
             report.kept_float.append(path)
             continue
-        layer = QuantizedLinear.replacing(module, ops, whole=True)
-        layer.load_shard(WHOLE, pack_int8_per_channel(module.weight), f"{path}.weight")
-        if module.bias is not None:
-            layer.load_bias(WHOLE, module.bias.detach().to(layer.bias.dtype), f"{path}.bias")
-        layer.finish(path)
-        model.set_submodule(path, layer)
+        replace_linear(model, path, module, ops, pack_int8_per_channel(module.weight))
         report.quantized.append(path)
     if report.kept_float:
         logger.warning("int8 weights: %d linear layers kept in float (input width not a multiple of %d): %s",
@@ -81,10 +78,30 @@ def _quantize_experts(model: nn.Module, path: str, experts: FusedMoE, ops: Quant
     if hidden % INT8_BLOCK or inter % INT8_BLOCK:
         report.kept_float.append(path)
         return
-    layer = QuantizedFusedMoE.replacing(experts, ops)
-    gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
-    for shard, weights in ((GATE, gate_up[:, :inter]), (UP, gate_up[:, inter:]), (DOWN, down)):
-        layer.load_shard(shard, [pack_int8_per_channel(w) for w in weights], f"{path}.{shard}")
+    replace_experts(model, path, experts, ops, pack_int8_per_channel)
+    report.quantized.append(path)
+
+
+def replace_linear(model: nn.Module, path: str, linear: Linear, ops: QuantOps, weight: QuantWeight) -> None:
+    """The `Linear` at `path` of `model` replaced by a `QuantizedLinear` serving `weight`
+    (its packed weight, one shard of all rows) and the float layer's bias."""
+    layer = QuantizedLinear.replacing(linear, ops, whole=True)
+    layer.load_shard(WHOLE, weight, f"{path}.weight")
+    if linear.bias is not None:
+        layer.load_bias(WHOLE, linear.bias.detach().to(layer.bias.dtype), f"{path}.bias")
     layer.finish(path)
     model.set_submodule(path, layer)
-    report.quantized.append(path)
+
+
+def replace_experts(
+    model: nn.Module, path: str, experts: FusedMoE, ops: QuantOps, pack: Callable[[torch.Tensor], QuantWeight]
+) -> None:
+    """The `FusedMoE` at `path` replaced by a `QuantizedFusedMoE` whose every expert's gate,
+    up and down weight is `pack(weight)` (a float (out, in) tensor -> its packed weight)."""
+    layer = QuantizedFusedMoE.replacing(experts, ops)
+    inter = experts.intermediate_size
+    gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+    for shard, weights in ((GATE, gate_up[:, :inter]), (UP, gate_up[:, inter:]), (DOWN, down)):
+        layer.load_shard(shard, [pack(w) for w in weights], f"{path}.{shard}")
+    layer.finish(path)
+    model.set_submodule(path, layer)
