@@ -1,0 +1,139 @@
+"""When a decoder layer of a decode step runs as one native call (issue 25).
+
+`FusedDecode` is shared by the layers of one Llama-family model. A layer asks it
+first (`LlamaDecoderLayer.forward`); it runs the layer through
+`kernels/fused_decoder_layer.py` only where that gives what the unfused path
+would: a DECODE step on the native CPU attention path (`NativeDecodeMetadata`
+from `TorchAttentionBackend`, so a K/V pool in the model dtype), bf16 with the
+AVX-512 or AMX linear packing or float32, rows within the linears' kernels'
+bound, full-width rotary, plain `Linear` projections (not quantized, not
+tensor-parallel) and a SiLU `GatedMLP`. Anything else returns None and the layer
+takes its modules as before. `enabled = False` turns it off (the tests' and the
+benchmark's baseline).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from arborlm.kernels import fused_decoder_layer as fused
+from arborlm.kernels.cpu_ops import NativeLayerOps, RotaryStep
+from arborlm.runtime.forward_batch_info import ForwardBatch
+from arborlm.runtime.layers.attention.torch_native_backend import NativeDecodeMetadata
+from arborlm.runtime.layers.linear import Linear, MergedLinear
+from arborlm.runtime.layers.mlp import GatedMLP
+
+
+def _plain_linear(module) -> bool:
+    """A `Linear` / `MergedLinear` of its own weights: not a subclass (quantized), not
+    split across tensor-parallel ranks."""
+    return type(module) in (Linear, MergedLinear) and getattr(module, "tp_size", 1) == 1
+
+
+def _weights(linear: Linear) -> fused.LinearWeights:
+    return fused.LinearWeights(linear.weight, linear.bias, linear.packed_weight)
+
+
+def _packs(layer) -> tuple:
+    """The packed weights a layer's params point into (rebuilt when one changes)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    # getattr: a quantized or MoE layer has no such attribute (and no fused params).
+    modules = (getattr(attn, "qkv_proj", None), getattr(attn, "o_proj", None), getattr(mlp, "gate_up_proj", None),
+               getattr(mlp, "down_proj", None))
+    return tuple(getattr(m, "packed_weight", None) for m in modules)
+
+
+class FusedDecode:
+    """The fused decode path of one model's decoder layers: per-layer params (built on
+    first use), the step's shared params (built by the step's first layer), scratch.
+
+    `create(ops, attention_cls)` gives None where the native kernels or the fused library
+    are missing; `attention_cls` is the one attention block the kernel reproduces (the
+    Llama family's; subclasses such as Qwen3's q/k norms keep their modules).
+    """
+
+    def __init__(self, lib: ctypes.CDLL, ops: NativeLayerOps, attention_cls: type):
+        self.lib = lib
+        self.ops = ops
+        self.attention_cls = attention_cls
+        self.enabled = True
+        self._layers: dict[int, tuple[object, tuple, fused.LayerParams | None]] = {}
+        self._step_key: tuple | None = None
+        self._step: fused.StepParams | None = None
+        self._scratch: fused.DecodeScratch | None = None
+
+    @classmethod
+    def create(cls, ops, attention_cls: type) -> FusedDecode | None:
+        if not isinstance(ops, NativeLayerOps):
+            return None
+        lib = fused.native_library()
+        return None if lib is None else cls(lib, ops, attention_cls)
+
+    def __call__(self, layer, hidden: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryStep,
+                 forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`layer.forward`'s result through the fused kernel, or None where it does not apply."""
+        meta = forward_batch.attn_metadata
+        if not self.enabled or not isinstance(meta, NativeDecodeMetadata):
+            return None
+        params = self._layer_params(layer)
+        if params is None or hidden.dtype != params.dtype:
+            return None
+        step = self._step_params(meta, rotary, forward_batch, params)
+        if step is None or step.rows > params.max_rows:
+            return None
+        shape = (step.rows, params.shape.hidden)
+        if hidden.shape != shape or not hidden.is_contiguous():
+            return None
+        if residual is not None and (residual.shape != shape or not residual.is_contiguous()
+                                     or residual.dtype != params.dtype):
+            return None
+        scratch = self._scratch
+        if scratch is None or not scratch.fits(params.shape, params.dtype, step.rows):
+            scratch = self._scratch = fused.DecodeScratch(params.shape, params.dtype, params.max_rows)
+        return fused.run_layer(self.lib, params, step, scratch, hidden, residual)
+
+    def _layer_params(self, layer) -> fused.LayerParams | None:
+        entry = self._layers.get(id(layer))
+        if entry is not None and entry[0] is layer and all(a is b for a, b in zip(entry[1], _packs(layer))):
+            return entry[2]
+        params = self._build_layer(layer)
+        self._layers[id(layer)] = (layer, _packs(layer), params)
+        return params
+
+    def _build_layer(self, layer) -> fused.LayerParams | None:
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        ok = (
+            type(attn) is self.attention_cls and type(mlp) is GatedMLP and mlp.act_and_mul == self.ops.silu_and_mul
+            and all(_plain_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+            and not any(n.unit_offset for n in norms)
+        )
+        if not ok:
+            return None
+        radix = attn.attn
+        shape = fused.LayerShape(
+            norms[0].weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.intermediate_size
+        )
+        return fused.layer_params(
+            shape, norms[0].weight.dtype, radix.layer_id, (norms[0].weight, norms[0].eps),
+            (norms[1].weight, norms[1].eps), _weights(attn.qkv_proj), _weights(attn.o_proj),
+            _weights(mlp.gate_up_proj), _weights(mlp.down_proj), radix.scale, radix.sliding_window, radix.logit_cap,
+        )
+
+    def _step_params(self, meta: NativeDecodeMetadata, rotary: RotaryStep, forward_batch: ForwardBatch,
+                     params: fused.LayerParams) -> fused.StepParams | None:
+        """The step's shared params, built once per (step, dtype, head_dim)."""
+        key = (meta, rotary, params.dtype, params.shape.head_dim)
+        last = self._step_key
+        if last is not None and last[0] is meta and last[1] is rotary and last[2:] == key[2:]:
+            return self._step
+        pool = forward_batch.token_to_kv_pool
+        self._step = fused.step_params(
+            forward_batch.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.seq_lens, meta.out_cache_loc,
+            rotary.positions, rotary.cos_table, rotary.sin_table, getattr(pool, "k_buffer", None),
+            getattr(pool, "v_buffer", None), params.dtype, params.shape.head_dim,
+        ) if isinstance(getattr(pool, "k_buffer", None), torch.Tensor) else None
+        self._step_key = key
+        return self._step
