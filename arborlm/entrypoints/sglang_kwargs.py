@@ -4,8 +4,8 @@ SGLang programs start their backend with ``sgl.Runtime(model_path=..., tp_size=1
 mem_fraction_static=0.8, trust_remote_code=True)`` (or `sgl.Engine(...)`); arborlm's
 `ServerArgs` refuses unknown keywords, so `sglang_server_kwargs` maps them first:
 
-- ``tp_size`` (also ``tp``): 1 is what arborlm does (one device per worker) and is dropped;
-  more is refused, since arborlm has no tensor parallelism (``dp_size`` gives data parallelism).
+- ``tp``: SGLang's short name of ``tp_size`` (tensor-parallel ranks, a `ServerArgs` field that
+  validates itself); given with a different ``tp_size`` it is refused.
 - ``mem_fraction_static``: becomes ``mem_fraction``, arborlm's fraction of device memory for
   the server's static pool. SGLang's fraction covers the weights and the KV pool of the total
   memory; arborlm's is the KV pool's share of the memory free after the weights load, so the
@@ -20,24 +20,20 @@ from typing import Any
 
 
 def sglang_server_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """`kwargs` with SGLang's `tp_size`/`tp`, `mem_fraction_static` and `trust_remote_code` translated
-    to `ServerArgs` fields (a new dict; the others pass through unchanged).
+    """`kwargs` with SGLang's `tp`, `mem_fraction_static` and `trust_remote_code` translated
+    to `ServerArgs` fields (a new dict; the others, `tp_size` among them, pass through unchanged).
 
     Raises
     ------
-    ValueError: ``tp_size`` above 1 (no tensor parallelism), or below 1.
-    TypeError: ``tp_size`` not an integer, ``trust_remote_code`` not a bool, or
+    TypeError: ``tp`` given with a different ``tp_size``, ``trust_remote_code`` not a bool, or
         ``mem_fraction_static`` given with a different ``mem_fraction``.
     """
     out = dict(kwargs)
-    for name in ("tp_size", "tp"):
-        if name in out:
-            tp = out.pop(name)
-            if not isinstance(tp, int) or isinstance(tp, bool):
-                raise TypeError(f"{name} must be an integer, got {type(tp).__name__} {tp!r}")
-            if tp != 1:
-                raise ValueError(f"{name}={tp}: arborlm has no tensor parallelism (each worker runs the whole "
-                                 "model on one device); use tp_size=1, or dp_size=N for N data-parallel workers")
+    if "tp" in out:
+        tp = out.pop("tp")
+        if out.get("tp_size", tp) != tp:
+            raise TypeError(f"tp={tp!r} and tp_size={out['tp_size']!r} disagree: give one of them")
+        out["tp_size"] = tp
     if "trust_remote_code" in out:
         trust = out.pop("trust_remote_code")
         if not isinstance(trust, bool):

@@ -8,6 +8,10 @@ its own asyncio loop (it binds those sockets), calls `SchedulerProcess.watch`
 so that a dying scheduler fails every waiting request, and on shutdown calls
 `begin_stop`, `close_front` (on the manager's loop) and `stop`. A hung scheduler
 is ended by its own watchdog (`watchdog.py`) and so takes the same dying path.
+
+With `tp_size` > 1 the scheduler's process is tensor-parallel rank 0 and the ranks
+1..tp_size-1 are processes of their own (`distributed/launch.py`), started beside it and
+watched with it: any rank dying stops the server with a reason naming it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
@@ -27,6 +32,7 @@ from multiprocessing.process import BaseProcess
 from arborlm.chat_template import apply_chat_template_override
 from arborlm.errors import EngineDeadError, ModelLoadError
 from arborlm.runtime.config import ServerArgs
+from arborlm.runtime.distributed.launch import TpWorkers, launch_tp_workers
 from arborlm.runtime.io_struct import ModelInfo
 from arborlm.runtime.scheduler_process import PortArgs, Shutdown, run_scheduler_process
 from arborlm.runtime.watchdog import WATCHDOG_EXIT_CODE
@@ -69,12 +75,14 @@ class SchedulerProcess:
     model_info: what the scheduler reported when it became ready.
     port_args: the zmq addresses (IPC files under `ipc_dir`).
     ipc_dir: temporary folder removed by `stop`.
+    tp_workers: the tensor-parallel ranks > 0 (none when tp_size is 1).
     """
 
     process: BaseProcess
     model_info: ModelInfo
     port_args: PortArgs
     ipc_dir: str
+    tp_workers: TpWorkers = field(default_factory=lambda: TpWorkers(nccl_port=0))
     _stopping: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def is_alive(self) -> bool:
@@ -90,8 +98,10 @@ class SchedulerProcess:
         def run() -> None:
             while not self._stopping.is_set():
                 self.process.join(MONITOR_INTERVAL_S)
-                if not self.process.is_alive() and not self._stopping.is_set():
-                    reason = exit_reason(self.process.exitcode)
+                # A lost rank > 0 is named first: rank 0 exits in its wake.
+                reason = self.tp_workers.first_dead() or (
+                    exit_reason(self.process.exitcode) if not self.process.is_alive() else None)
+                if reason is not None and not self._stopping.is_set():
                     logger.error(reason)
                     on_exit(reason)
                     return
@@ -115,6 +125,7 @@ class SchedulerProcess:
             logger.warning("the scheduler did not exit in %.0f s; killing it", timeout_s)
             self.process.kill()
             self.process.join(5)
+        self.tp_workers.stop(timeout_s)
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
@@ -139,31 +150,43 @@ def launch_scheduler(server_args: ServerArgs, start_timeout_s: float = SCHEDULER
     EngineDeadError: the child did not start in `start_timeout_s`, or died starting.
     """
     ipc_dir = tempfile.mkdtemp(prefix="arborlm-")
+    ctx = mp.get_context("spawn")
+    with _main_module_not_reimported():
+        tp_workers = launch_tp_workers(server_args, ctx)
     port_args = PortArgs(
         scheduler_input=f"ipc://{ipc_dir}/scheduler_input",
         scheduler_output=f"ipc://{ipc_dir}/scheduler_output",
+        nccl_port=tp_workers.nccl_port or None,
     )
-    ctx = mp.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
     process = ctx.Process(target=run_scheduler_process, args=(server_args, port_args, writer), daemon=True)
     with _main_module_not_reimported():
         process.start()
     writer.close()
     try:
-        model_info = _wait_ready(process, reader, start_timeout_s)
+        model_info = _wait_ready(process, reader, start_timeout_s, tp_workers)
     except BaseException:
-        if process.is_alive():
-            process.kill()
-        process.join(5)
+        for child in [process, *tp_workers.processes]:
+            if child.is_alive():
+                child.kill()
+            child.join(5)
         shutil.rmtree(ipc_dir, ignore_errors=True)
         raise
-    return SchedulerProcess(process=process, model_info=model_info, port_args=port_args, ipc_dir=ipc_dir)
+    return SchedulerProcess(process=process, model_info=model_info, port_args=port_args, ipc_dir=ipc_dir,
+                            tp_workers=tp_workers)
 
 
-def _wait_ready(process: BaseProcess, reader, timeout_s: float) -> ModelInfo:
-    """Read the child's one readiness message: its `ModelInfo`, or the error it failed with."""
-    if not reader.poll(timeout_s):
-        raise EngineDeadError("the scheduler did not start in time")
+def _wait_ready(process: BaseProcess, reader, timeout_s: float, tp_workers: TpWorkers) -> ModelInfo:
+    """Read the child's one readiness message: its `ModelInfo`, or the error it failed with.
+
+    Meanwhile the tensor-parallel ranks > 0 are checked each `MONITOR_INTERVAL_S`: one that
+    fails to load raises its error (rank 0 would otherwise wait for it in a collective).
+    """
+    deadline = time.monotonic() + timeout_s
+    while not reader.poll(min(MONITOR_INTERVAL_S, max(0.0, deadline - time.monotonic()))):
+        tp_workers.check_started()
+        if time.monotonic() >= deadline:
+            raise EngineDeadError("the scheduler did not start in time")
     try:
         msg = reader.recv()
     except EOFError as e:

@@ -3,6 +3,11 @@
 The scheduler hands it a `ForwardBatch` and gets logits back; sampling happens
 in the scheduler with `sampling.Sampler`. Pool sizes come from
 `max_total_tokens` or a fraction of free memory.
+
+Under tensor parallelism (`tp_size` > 1) every rank has one: it loads that rank's
+shards and holds that rank's K/V heads in pools of the same slots as rank 0's
+(the smallest size any rank's memory allows). Rank 0's broadcasts each step to the
+others before its own forward (`distributed/step_sync.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,9 @@ from arborlm.radix_cache.memory_pool import (
     kv_cache_torch_dtype,
 )
 from arborlm.runtime.config import ServerArgs
+from arborlm.runtime.distributed.communication import all_reduce_min, barrier
+from arborlm.runtime.distributed.parallel_state import ParallelState
+from arborlm.runtime.distributed.step_sync import StepBroadcaster
 from arborlm.runtime.forward_batch_info import ForwardBatch, LogitsOutput
 from arborlm.runtime.io_struct import ModelInfo
 from arborlm.runtime.model_loader import (
@@ -43,7 +51,8 @@ def _available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _resolve_device(name: str) -> torch.device:
+def resolve_device(name: str) -> torch.device:
+    """The device `--device` names: "auto" is cuda when torch sees one, else cpu."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
@@ -52,34 +61,61 @@ def _resolve_device(name: str) -> torch.device:
 class ModelRunner:
     """Loads the model and the pools described by `server_args`.
 
+    parallel: this process's tensor-parallel rank (`distributed.init_parallel_state`); None
+        for a single rank. With tp_size > 1 a GGUF file is dequantized at load (the
+        shards are float) and rank 0 gets a `step_broadcaster`.
+
     Raises
     ------
     ModelLoadError
         When the model path is missing or its architecture unsupported.
+    ValueError
+        With tp_size > 1: an architecture served on one rank only, or head / MLP sizes the
+        ranks do not divide (naming tp_size and the size).
     """
 
-    def __init__(self, server_args: ServerArgs):
+    def __init__(self, server_args: ServerArgs, parallel: ParallelState | None = None):
         self.server_args = server_args
-        self.device = _resolve_device(server_args.model.device)
+        self.device = resolve_device(server_args.model.device) if parallel is None else parallel.device
+        self.parallel = parallel if parallel is not None else ParallelState(device=self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(os.cpu_count() or 1)
         self.dtype = resolve_dtype(server_args.model.dtype, self.device)
         self.kv_dtype = kv_cache_torch_dtype(server_args.cache.kv_cache_dtype, self.dtype)
-        gguf_file = resolve_quantization(server_args.model.model_path, server_args.model.quantization)
-        checkpoint = resolve_checkpoint(server_args.model.model_path, weights=gguf_file is None)
+        quantization = server_args.model.quantization
+        if self.parallel.is_parallel and quantization is None:
+            quantization = "none"  # tensor-parallel layers shard float weights
+        gguf_file = resolve_quantization(server_args.model.model_path, quantization)
+        checkpoint = self._resolve_checkpoint_once(gguf_file is None)
         loaded = load_model(
             checkpoint, self.dtype, self.device, server_args.model.attention_backend,
             cpu_kernels=not server_args.model.disable_cpu_kernels, gguf_file=gguf_file,
-            quantization=server_args.model.quantization, kv_cache_dtype=server_args.cache.kv_cache_dtype,
-            is_embedding=server_args.model.is_embedding,
+            quantization=quantization, kv_cache_dtype=server_args.cache.kv_cache_dtype,
+            is_embedding=server_args.model.is_embedding, parallel=parallel,
         )
         self.model, self.hf_config, self.checkpoint = loaded.model, loaded.hf_config, loaded.checkpoint
         self.architecture = loaded.architecture
+        if self.parallel.is_parallel and self.device.type == "cpu":
+            # The ranks share the machine's cores (load_model gave each all of them).
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.parallel.tp_size))
+        self.step_broadcaster = (StepBroadcaster(self.parallel)
+                                 if self.parallel.is_parallel and self.parallel.tp_rank == 0 else None)
         self._init_pools()
+
+    def _resolve_checkpoint_once(self, weights: bool):
+        """`resolve_checkpoint`; with several ranks rank 0 goes first (a GGUF file is converted
+        once into the shared cache) and the others then find the converted folder."""
+        path = self.server_args.model.model_path
+        if self.parallel.tp_rank > 0:
+            barrier(self.parallel)
+        checkpoint = resolve_checkpoint(path, weights=weights)
+        if self.parallel.is_parallel and self.parallel.tp_rank == 0:
+            barrier(self.parallel)
+        return checkpoint
 
     def _init_pools(self) -> None:
         cfg = self.hf_config
-        num_kv_heads = cfg.num_key_value_heads
+        num_kv_heads = self.parallel.kv_head_range(cfg.num_key_value_heads).size  # this rank's
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         max_total_tokens = self.server_args.cache.max_total_tokens
         if max_total_tokens is None:
@@ -88,6 +124,8 @@ class ModelRunner:
             max_total_tokens = int(budget // per_token)
             if self.device.type == "cpu":
                 max_total_tokens = min(max_total_tokens, MAX_DEFAULT_CPU_TOKENS)
+        # Slot indices are rank 0's on every rank: every pool has the size the smallest memory allows.
+        max_total_tokens = all_reduce_min(self.parallel, max_total_tokens)
         model_len = getattr(cfg, "max_position_embeddings", 4096)
         context_length = self.server_args.model.context_length or model_len
         if context_length > model_len:
@@ -146,5 +184,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> LogitsOutput:
-        """Run one extend or decode step; logits are float32."""
+        """Run one extend or decode step; logits are float32.
+
+        On rank 0 of several, the other ranks are sent the step first (RuntimeError when one is gone).
+        """
+        if self.step_broadcaster is not None:
+            self.step_broadcaster.send_forward(forward_batch)
         return self.model.forward(forward_batch)

@@ -6,6 +6,11 @@ pipe when ready and exits when told to, or when its parent is gone. A watchdog
 thread (`watchdog.Watchdog`) ends the process when an iteration with work lasts
 longer than `watchdog_timeout` (a hung step), so the front sees a dead scheduler
 instead of waiting forever.
+
+With `tp_size` > 1 this process is tensor-parallel rank 0: it joins the group on
+`PortArgs.nccl_port`, its model worker broadcasts each step to the other ranks
+(`distributed/step_sync.py`), the loop sends them a keep-alive while idle, and on exit
+it tells them to stop.
 """
 
 from __future__ import annotations
@@ -37,10 +42,12 @@ class Shutdown:
 
 @dataclass
 class PortArgs:
-    """zmq addresses joining the front and the scheduler."""
+    """zmq addresses joining the front and the scheduler, and the tensor-parallel rendezvous port
+    (`nccl_port`, SGLang's name: loopback TCP, None when tp_size is 1)."""
 
     scheduler_input: str
     scheduler_output: str
+    nccl_port: int | None = None
 
 
 def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, ready_conn) -> None:
@@ -48,9 +55,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, ready_co
     logging.basicConfig(level=server_args.server.log_level.upper(), format="%(asctime)s scheduler %(message)s")
     parent = os.getppid()
     try:
-        from arborlm.runtime.scheduler import Scheduler
-
-        scheduler = Scheduler(server_args)
+        scheduler = _build_scheduler(server_args, port_args)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it
         ready_conn.send({"status": "error", "error": e, "traceback": traceback.format_exc()})
         return
@@ -63,24 +68,54 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, ready_co
     progress = LoopProgress()
     watchdog = Watchdog(progress, server_args.scheduler.watchdog_timeout, describe=lambda: _describe(scheduler))
     watchdog.start()
+    broadcaster = _step_broadcaster(scheduler)
     try:
         step = _step_function(scheduler, ENVS.test_hang_after_steps)
-        event_loop(scheduler, recv_sock, send_sock, parent, progress, step)
+        keep_alive = broadcaster.keep_alive if broadcaster is not None else None
+        event_loop(scheduler, recv_sock, send_sock, parent, progress, step, keep_alive)
     finally:
         watchdog.stop()
+        if broadcaster is not None:
+            broadcaster.shutdown()
         ctx.destroy(linger=0)
 
 
+def _build_scheduler(server_args: ServerArgs, port_args: PortArgs):
+    """The `Scheduler`; with tp_size > 1, over a model worker of tensor-parallel rank 0."""
+    from arborlm.runtime.scheduler import Scheduler
+
+    if server_args.parallel.tp_size == 1:
+        return Scheduler(server_args)
+    from arborlm.runtime.distributed.parallel_state import init_parallel_state
+    from arborlm.runtime.model_runner import ModelRunner, resolve_device
+    from arborlm.runtime.model_worker import ModelWorker
+
+    parallel = init_parallel_state(0, server_args.parallel.tp_size, port_args.nccl_port,
+                                   resolve_device(server_args.model.device))
+    worker = ModelWorker(ModelRunner(server_args, parallel=parallel))
+    return Scheduler(server_args, worker, worker.tokenizer)
+
+
+def _step_broadcaster(scheduler):
+    """Rank 0's `StepBroadcaster` when the model is split over several ranks, else None."""
+    runner = scheduler.model_runner
+    return getattr(runner, "step_broadcaster", None) if runner is not None else None
+
+
 def event_loop(scheduler, recv_sock, send_sock, parent_pid: int, progress: LoopProgress,
-               step: Callable[[], list[ReqOutput]]) -> None:
+               step: Callable[[], list[ReqOutput]], keep_alive: Callable[[], None] | None = None) -> None:
     """receive → step → send, until `Shutdown` or the parent process disappears.
 
     progress: told when each iteration with work begins and when the loop goes idle
         (the watchdog reads it).
     step: `scheduler.step` (or the test hook's wrapper of it, `_step_function`).
+    keep_alive: called every iteration (and idle poll) with tensor parallelism: the step
+        broadcaster's keep-alive, which raises once a rank is gone (the process then exits).
     """
     num_steps = 0
     while True:
+        if keep_alive is not None:
+            keep_alive()
         if not scheduler.has_work():
             progress.idle()
             if not recv_sock.poll(IDLE_POLL_MS):

@@ -63,8 +63,9 @@ def test_engine_takes_sglangs_usual_keywords(launched_args):
 
 
 @pytest.mark.parametrize("kwargs, error, words", [
-    ({"tp_size": 2}, ValueError, "no tensor parallelism"),
-    ({"tp_size": "1"}, TypeError, "tp_size must be an integer"),
+    ({"tp_size": 0}, ValueError, "tp_size=0"),
+    ({"tp_size": "1"}, TypeError, "tp_size='1' has the wrong type"),
+    ({"tp": 2, "tp_size": 1}, TypeError, "give one of them"),
     ({"trust_remote_code": "yes"}, TypeError, "trust_remote_code must be a bool"),
     ({"mem_fraction_static": 0.5, "mem_fraction": 0.2}, TypeError, "give one of them"),
     ({"mem_fraction_static": 1.5}, ValueError, "mem_fraction"),
@@ -78,5 +79,5 @@ def test_engine_and_runtime_refuse_what_arborlm_cannot_do_before_starting(launch
 
 
 def test_sglang_server_kwargs_leaves_other_keywords_alone():
-    given = {"model_path": "m", "dtype": "float32", "tp_size": 1}
-    assert sglang_server_kwargs(given) == {"model_path": "m", "dtype": "float32"} and "tp_size" in given
+    given = {"model_path": "m", "dtype": "float32", "tp": 1}
+    assert sglang_server_kwargs(given) == {"model_path": "m", "dtype": "float32", "tp_size": 1} and "tp" in given

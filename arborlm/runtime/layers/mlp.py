@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from arborlm.kernels.cpu_ops import LayerOps
+from arborlm.runtime.distributed.parallel_state import ParallelState
 from arborlm.runtime.layers.activation import gated_activation
-from arborlm.runtime.layers.linear import Linear, MergedLinear
+from arborlm.runtime.layers.linear import make_merged_column_linear, make_row_linear
 
 # Shard ids of `gate_up_proj`: the checkpoint's gate_proj and up_proj, in that order.
 GATE_SHARD, UP_SHARD = 0, 1
@@ -27,6 +28,8 @@ class GatedMLP(nn.Module):
     `GATE_SHARD` / `UP_SHARD`; `down_proj` (hidden_size, intermediate_size).
     `activation`: transformers' name of `act` (`hidden_act`), "silu" by default;
     see `activation.SUPPORTED_ACTIVATIONS`.
+    `parallel`: under tensor parallelism, gate/up are column-parallel and down row-parallel
+    (this rank holds intermediate_size / tp_size of the columns; None: a single rank).
 
     Raises
     ------
@@ -36,14 +39,16 @@ class GatedMLP(nn.Module):
 
     def __init__(
         self, hidden_size: int, intermediate_size: int, bias: bool, dtype: torch.dtype, device: torch.device,
-        ops: LayerOps, activation: str = "silu",
+        ops: LayerOps, activation: str = "silu", parallel: ParallelState | None = None,
     ):
         super().__init__()
         self.act_and_mul = gated_activation(activation, ops)
-        self.intermediate_size = intermediate_size
         shards = {GATE_SHARD: intermediate_size, UP_SHARD: intermediate_size}
-        self.gate_up_proj = MergedLinear(hidden_size, shards, bias, dtype, device, ops)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, device, ops)
+        self.gate_up_proj = make_merged_column_linear(hidden_size, shards, bias, dtype, device, ops, parallel,
+                                                      "intermediate_size")
+        self.down_proj = make_row_linear(intermediate_size, hidden_size, bias, dtype, device, ops, parallel,
+                                         "intermediate_size")
+        self.intermediate_size = self.down_proj.weight.shape[1]  # this rank's columns
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))

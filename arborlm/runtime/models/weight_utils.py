@@ -74,6 +74,7 @@ def load_stacked_weights(
         if skip(name):
             continue
         target, rows = _target(model, name, params, stacked)
+        tensor = _rank_slice(model, name, target, tensor, stacked)
         dst = params[target].data if rows is None else params[target].data[rows]
         if dst.shape != tensor.shape:
             raise ModelLoadError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
@@ -93,6 +94,17 @@ def _target(model: nn.Module, name: str, params: dict, stacked: StackedParams) -
     if name in params:
         return name, None
     raise ModelLoadError(f"unexpected weight {name!r} in the checkpoint")
+
+
+def _rank_slice(model: nn.Module, name: str, target: str, tensor: torch.Tensor,
+                stacked: StackedParams) -> torch.Tensor:
+    """The part of checkpoint tensor `name` that our parameter `target` holds on this rank: the
+    owning layer's `checkpoint_slice` (tensor-parallel layers keep their rows or columns), else all."""
+    owner = _owner(model, target)
+    if not hasattr(owner, "checkpoint_slice"):
+        return tensor
+    shard = next((s for hf_part, (_, s) in stacked.items() if f".{hf_part}." in name), None)
+    return owner.checkpoint_slice(target.rpartition(".")[2], shard, tensor)
 
 
 def _owner(model: nn.Module, param_name: str) -> nn.Module:
