@@ -478,10 +478,21 @@ class SpeculativeConfig:
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 
 
+# The most tensor-parallel ranks one server starts (one process per rank on this machine).
+MAX_TP_SIZE = 64
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Data parallelism: several scheduler workers behind SGLang's router (`sglang-router`)."""
+    """Data parallelism (several scheduler workers behind SGLang's router, `sglang-router`) and
+    tensor parallelism (one model split over `tp_size` ranks, `arborlm/runtime/distributed/`)."""
 
+    tp_size: int = field(
+        default=1,
+        metadata={"help": "tensor-parallel ranks: attention heads, MLP columns and the vocabulary split over "
+                          "this many processes joined by torch.distributed (gloo on CPU, NCCL on CUDA); "
+                          "the model's num_attention_heads must be divisible by it"},
+    )
     dp_size: int = field(
         default=1,
         metadata={"help": "number of data-parallel workers (each a full copy of the model with its own KV "
@@ -497,9 +508,33 @@ class ParallelConfig:
 
     def __post_init__(self):
         _check_types(self)
+        _check(1 <= self.tp_size <= MAX_TP_SIZE, "tp_size", self.tp_size, f"1..{MAX_TP_SIZE}")
         _check(1 <= self.dp_size <= 64, "dp_size", self.dp_size, "1..64")
+        _check(self.tp_size == 1 or self.dp_size == 1, "tp_size", self.tp_size,
+               "1 when dp_size > 1 (data-parallel workers with several tensor-parallel ranks each are not "
+               "supported)")
         _check(self.router_policy in ROUTER_POLICIES, "router_policy", self.router_policy,
                f"one of {ROUTER_POLICIES}")
+
+
+def _check_tensor_parallel(args: ServerArgs) -> None:
+    """Refuse, naming the field, what the tensor-parallel path does not cover (`tp_size` > 1)."""
+    tp = args.parallel.tp_size
+    if tp == 1:
+        return
+    unsupported = (
+        ("quantization", args.model.quantization, args.model.quantization in (None, "none"),
+         "None or 'none' (tensor parallelism shards float weights; GGUF files are dequantized at load)"),
+        ("enable_hierarchical_cache", args.cache.enable_hierarchical_cache, not args.cache.enable_hierarchical_cache,
+         "False (the host KV tier copies rank 0's pool only)"),
+        ("kv_cache_dtype", args.cache.kv_cache_dtype, args.cache.kv_cache_dtype == "auto", "'auto'"),
+        ("is_embedding", args.model.is_embedding, not args.model.is_embedding,
+         "False (embedding servers run on one rank)"),
+        ("speculative_algorithm", args.speculative.speculative_algorithm,
+         args.speculative.speculative_algorithm != "STANDALONE", "not STANDALONE (the draft model is not sharded)"),
+    )
+    for name, value, ok, expected in unsupported:
+        _check(ok, name, value, f"{expected} with tp_size={tp}")
 
 
 @dataclass(frozen=True)
@@ -514,6 +549,9 @@ class ServerArgs:
     chat: ChatConfig = field(default_factory=ChatConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self):
+        _check_tensor_parallel(self)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
