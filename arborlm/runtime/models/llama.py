@@ -24,17 +24,22 @@ import torch
 from torch import nn
 
 from arborlm.kernels.cpu_ops import LayerOps, RotaryStep, layer_ops
+from arborlm.runtime.distributed.parallel_state import ParallelState
 from arborlm.runtime.forward_batch_info import ForwardBatch, LogitsOutput
 from arborlm.runtime.layers.attention.base import AttentionBackend
 from arborlm.runtime.layers.fused_decode import FusedDecode
 from arborlm.runtime.layers.layernorm import RMSNorm
-from arborlm.runtime.layers.linear import Linear, MergedLinear
+from arborlm.runtime.layers.linear import make_qkv_linear, make_row_linear
 from arborlm.runtime.layers.logits_processor import logits_output
 from arborlm.runtime.layers.mlp import GATE_SHARD, UP_SHARD, GatedMLP
 from arborlm.runtime.layers.radix_attention import RadixAttention
 from arborlm.runtime.layers.rotary_embedding import apply_rotary_, get_rope
-from arborlm.runtime.layers.vocab_embedding import VocabEmbedding
+from arborlm.runtime.layers.vocab_embedding import make_lm_head, make_vocab_embedding
 from arborlm.runtime.models.weight_utils import load_stacked_weights
+
+# config.json architectures this module serves with tensor_parallel (`parallel`); other families
+# (their own attention or MoE blocks, not split yet) refuse tp_size > 1 in the model runner.
+TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 
 
 def head_dim_of(config) -> int:
@@ -47,24 +52,30 @@ class LlamaAttention(nn.Module):
 
     `forward(hidden, rotary, forward_batch)`: (num_tokens, hidden_size) ->
     (num_tokens, hidden_size); writes this layer's K/V of the new tokens to the pool.
+    Under tensor parallelism (`parallel`) `num_heads` / `num_kv_heads` are this rank's heads.
     """
 
     def __init__(
-        self, config, layer_id: int, head_dim: int, dtype, device, attn_backend: AttentionBackend, ops: LayerOps
+        self, config, layer_id: int, head_dim: int, dtype, device, attn_backend: AttentionBackend, ops: LayerOps,
+        parallel: ParallelState | None = None,
     ):
         super().__init__()
         hidden = config.hidden_size
         self.ops = ops
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        tp = parallel or ParallelState()
+        self.num_heads = tp.split(total_heads, "num_attention_heads").size
+        self.num_kv_heads = tp.kv_head_range(total_kv_heads).size
         self.head_dim = head_dim
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
         o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
-        shards = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
-        self.qkv_proj = MergedLinear(hidden, shards, qkv_bias, dtype, device, ops)
-        self.o_proj = Linear(self.q_size, hidden, o_bias, dtype, device, ops)
+        self.qkv_proj = make_qkv_linear(hidden, total_heads, total_kv_heads, head_dim, qkv_bias, dtype, device, ops,
+                                        parallel)
+        self.o_proj = make_row_linear(total_heads * head_dim, hidden, o_bias, dtype, device, ops, parallel,
+                                      "num_attention_heads")
         self.attn = RadixAttention(
             self.num_heads, self.num_kv_heads, head_dim, layer_id, attn_backend,
             sliding_window=_layer_sliding_window(config, layer_id),
@@ -115,11 +126,14 @@ class LlamaDecoderLayer(nn.Module):
 
     attention_cls: type[LlamaAttention] = LlamaAttention
 
-    def __init__(self, config, layer_id: int, head_dim: int, dtype, device, attn_backend, ops: LayerOps):
+    def __init__(self, config, layer_id: int, head_dim: int, dtype, device, attn_backend, ops: LayerOps,
+                 parallel: ParallelState | None = None):
         super().__init__()
         eps = config.rms_norm_eps
+        self.parallel = parallel  # read by `make_mlp`; None (one rank) for every family but this one's
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, ops)
-        self.self_attn = self.attention_cls(config, layer_id, head_dim, dtype, device, attn_backend, ops)
+        tp_kwargs = {} if parallel is None else {"parallel": parallel}
+        self.self_attn = self.attention_cls(config, layer_id, head_dim, dtype, device, attn_backend, ops, **tp_kwargs)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, ops)
         self.mlp = self.make_mlp(config, layer_id, dtype, device, ops)
         # Decode steps of few rows run the layer as one native call where it applies (set by LlamaModel).
@@ -128,7 +142,8 @@ class LlamaDecoderLayer(nn.Module):
     def make_mlp(self, config, layer_id: int, dtype, device, ops: LayerOps) -> nn.Module:
         """The feed-forward block of layer `layer_id`: (num_tokens, hidden) -> (num_tokens, hidden)."""
         return GatedMLP(
-            config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)), dtype, device, ops
+            config.hidden_size, config.intermediate_size, bool(getattr(config, "mlp_bias", False)), dtype, device, ops,
+            parallel=self.parallel,
         )
 
     def forward(
@@ -153,13 +168,14 @@ class LlamaModel(nn.Module):
 
     def __init__(
         self, config, dtype, device, attn_backend: AttentionBackend, ops: LayerOps,
-        layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer,
+        layer_cls: type[LlamaDecoderLayer] = LlamaDecoderLayer, parallel: ParallelState | None = None,
     ):
         super().__init__()
         head_dim = head_dim_of(config)
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.embed_tokens = make_vocab_embedding(config.vocab_size, config.hidden_size, dtype, device, parallel)
+        tp_kwargs = {} if parallel is None else {"parallel": parallel}
         self.layers = nn.ModuleList(
-            layer_cls(config, i, head_dim, dtype, device, attn_backend, ops)
+            layer_cls(config, i, head_dim, dtype, device, attn_backend, ops, **tp_kwargs)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, ops)
@@ -190,6 +206,9 @@ class LlamaForCausalLM(nn.Module):
     attn_backend: how attention reads and writes the KV pool.
     ops: the norm / activation / rotary / linear implementations; default
         `layer_ops(device)` (the native CPU kernels where they build, else torch ops).
+    parallel: this rank's tensor-parallel group (`runtime/distributed/`): heads, MLP columns
+        and vocabulary split over its ranks; None for a single rank. Served for the Llama,
+        Qwen2 and Mistral architectures (`TENSOR_PARALLEL_ARCHITECTURES`).
 
     Raises
     ------
@@ -212,14 +231,16 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device,
         attn_backend: AttentionBackend,
         ops: LayerOps | None = None,
+        parallel: ParallelState | None = None,
     ):
         super().__init__()
         self.config = config
         self.dtype = dtype
         self.ops = ops if ops is not None else layer_ops(device)
-        self.model = LlamaModel(config, dtype, device, attn_backend, self.ops, self.decoder_layer_cls)
+        self.parallel = parallel
+        self.model = LlamaModel(config, dtype, device, attn_backend, self.ops, self.decoder_layer_cls, parallel)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, dtype, device, self.ops)
+        self.lm_head = make_lm_head(config.hidden_size, config.vocab_size, dtype, device, self.ops, parallel)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
