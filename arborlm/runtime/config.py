@@ -425,7 +425,7 @@ class ServerConfig:
 
 
 # SGLang's --speculative-algorithm names served here (see docs/speculative.md).
-SPECULATIVE_ALGORITHMS = ("NGRAM",)
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 # Drafts longer than this cost more verify compute than they can win back on one chip.
 MAX_SPECULATIVE_DRAFT_TOKENS = 64
 
@@ -435,7 +435,15 @@ class SpeculativeConfig:
     """Speculative decoding (SGLang's argument names; see `arborlm.runtime.speculative`)."""
 
     speculative_algorithm: str | None = field(
-        default=None, metadata={"help": "draft tokens and verify them in one step: NGRAM (off when unset)"}
+        default=None, metadata={"help": "draft tokens and verify them in one step: NGRAM, or STANDALONE (a draft "
+                                        "model, speculative_draft_model_path); off when unset"}
+    )
+    speculative_draft_model_path: str | None = field(
+        default=None, metadata={"help": "STANDALONE: the draft model (HF folder or GGUF file) sharing the "
+                                        "target's tokenizer"}
+    )
+    speculative_num_steps: int = field(
+        default=3, metadata={"help": "STANDALONE: draft model decode steps (draft tokens) per verify step"}
     )
     speculative_num_draft_tokens: int = field(
         default=6, metadata={"help": "draft tokens verified per request and step"}
@@ -458,6 +466,12 @@ class SpeculativeConfig:
         if self.speculative_algorithm is not None:
             _check(self.speculative_algorithm in SPECULATIVE_ALGORITHMS, "speculative_algorithm",
                    self.speculative_algorithm, f"one of {SPECULATIVE_ALGORITHMS} or None")
+        standalone = self.speculative_algorithm == "STANDALONE"
+        _check((self.speculative_draft_model_path is not None) == standalone, "speculative_draft_model_path",
+               self.speculative_draft_model_path, "a draft model path with speculative_algorithm='STANDALONE', "
+               "None otherwise")
+        _check(1 <= self.speculative_num_steps <= MAX_SPECULATIVE_DRAFT_TOKENS, "speculative_num_steps",
+               self.speculative_num_steps, f"1..{MAX_SPECULATIVE_DRAFT_TOKENS}")
         _check(1 <= self.speculative_num_draft_tokens <= MAX_SPECULATIVE_DRAFT_TOKENS,
                "speculative_num_draft_tokens", self.speculative_num_draft_tokens,
                f"1..{MAX_SPECULATIVE_DRAFT_TOKENS}")

@@ -6,7 +6,8 @@ hands `ModelWorker.forward_batch_generation` a `ModelWorkerBatch` (the step's
 and gets a `GenerationResult` back: the next token of every request that takes
 one this step, with logprobs when asked. The worker owns the `ModelRunner`
 (model and KV pools) and the sampler (SGLang's TpModelWorker; one per tensor
-parallel rank once there are several). Speculative verification will live here.
+parallel rank once there are several). Speculative verification lives here, and
+the draft model of STANDALONE speculation (`speculative.draft_worker`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from arborlm.runtime.model_runner import ModelRunner
 from arborlm.runtime.pooling_config import read_pooling_config
 from arborlm.runtime.sampling import Sampler, SamplingInfoCache, compute_logprobs, make_generator
 from arborlm.runtime.schedule_batch import Req
+from arborlm.runtime.speculative.draft_worker import make_draft_worker
 from arborlm.runtime.speculative.verify import DraftVerifier
 
 # Mask fill times kept for the structured-output benchmark (one entry per constrained request and step).
@@ -215,6 +217,9 @@ class ModelWorker:
         self.sampling_info_cache = SamplingInfoCache()
         self.grammar_masker = GrammarMasker()
         self.draft_verifier = DraftVerifier(self.model_info.vocab_size, self._eos_ids)
+        # STANDALONE speculation: the draft model and its own KV pool (`speculative/draft_worker.py`)
+        self.draft_worker = make_draft_worker(model_runner.server_args, self.model_info.vocab_size,
+                                              model_runner.context_length, model_runner.max_total_tokens, tokenizer)
         # --is-embedding: every step pools hidden states instead of sampling (`runtime/embedding.py`)
         self.embedder = (Embedder(model_runner.model, read_pooling_config(model_runner.checkpoint))
                          if model_runner.server_args.model.is_embedding else None)
@@ -238,6 +243,8 @@ class ModelWorker:
         prompt_logprobs = [None] * len(batch.reqs)
         if batch.forward_batch.forward_mode.is_extend():
             prompt_logprobs = self.collect_prompt_logprobs(batch, logits_output)
+            if self.draft_worker is not None:  # the draft prefills the same tokens in the same step
+                self.draft_worker.prefill(batch.reqs, batch.forward_batch.seq_lens_cpu)
         logits = logits_output.next_token_logits
         if len(batch.sample_rows) != len(batch.reqs):
             logits = logits[batch.sample_rows]

@@ -105,7 +105,8 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.new_token_ratio = sched.init_new_token_ratio
         self.pending_outputs: list[ReqOutput] = []
-        self.speculator = spec.make_speculator(server_args.speculative, self.model_info.context_length)
+        self.speculator = spec.make_speculator(server_args.speculative, self.model_info.context_length,
+                                               getattr(worker, "draft_worker", None))
         self.stats = {
             "num_prompt_tokens": 0,
             "num_cached_tokens": 0,
@@ -264,6 +265,8 @@ class Scheduler:
             outputs.extend(self.process_batch_result(batch, result))
         except Exception as e:  # noqa: BLE001 - one bad step must not kill the server
             outputs.extend(self.abort_batch(batch, e))
+        if self.speculator is not None:
+            self.speculator.on_step_end()
         return outputs
 
     def has_work(self) -> bool:

@@ -36,7 +36,7 @@ MAX_BACKOFF_STEPS = 16
 class SpecReqState:
     """Drafting state of one request (kept on `Req.spec_state`)."""
 
-    index: PromptLookupIndex
+    index: PromptLookupIndex | None  # NGRAM's prompt lookup (None for a draft model)
     wait_steps: int = 0  # steps left before it drafts again
     backoff: int = 0  # the pause after its next wholly rejected draft
     last_draft_len: int = 0
@@ -104,20 +104,30 @@ class Speculator:
         return drafts if any(drafts) else None
 
     def _draft(self, req: Req, free_slots: int) -> list[int]:
-        if req.to_abort or free_slots <= 0:
+        room = self.draft_room(req, free_slots)
+        if room <= 0:
             return []
+        draft = self.drafter.propose(req.spec_state.index, req.fill_ids, room)
+        if req.grammar is not None:
+            draft = grammatical_prefix(req.grammar, draft)
+        req.spec_state.last_draft_len = len(draft)
+        return draft
+
+    def draft_room(self, req: Req, free_slots: int) -> int:
+        """The longest draft ``req`` may take this step (<= 0: none), counting down its pause.
+
+        The verify step emits up to len(draft) + 1 tokens: never past
+        ``max_new_tokens`` or the context, and never more than ``free_slots``.
+        """
+        if req.to_abort or free_slots <= 0:
+            return 0
         state = self._state(req)
         state.last_draft_len = 0
         if state.wait_steps > 0:
             state.wait_steps -= 1
-            return []
-        # The verify step emits up to len(draft) + 1 tokens: never past max_new_tokens or the context.
+            return 0
         room = min(req.remaining_new_tokens, self.context_length - req.seqlen) - 1
-        draft = self.drafter.propose(state.index, req.fill_ids, min(room, free_slots))
-        if req.grammar is not None:
-            draft = grammatical_prefix(req.grammar, draft)
-        state.last_draft_len = len(draft)
-        return draft
+        return min(room, free_slots)
 
     def _state(self, req: Req) -> SpecReqState:
         if req.spec_state is None:
@@ -147,6 +157,9 @@ class Speculator:
         if req.finish_reason is not None and req.finish_reason.get("type") != "abort":
             self.drafter.on_finished(req.origin_input_ids, req.output_ids)
         req.spec_state = None
+
+    def on_step_end(self) -> None:
+        """Called after every scheduler step (n-gram drafting keeps nothing to release)."""
 
 
 def grammatical_prefix(grammar, draft: list[int]) -> list[int]:
@@ -233,12 +246,23 @@ def with_token_logprobs(out, infos: list) -> object:
     return out
 
 
-def make_speculator(config: SpeculativeConfig, context_length: int) -> Speculator | None:
-    """The `Speculator` of ``config.speculative_algorithm``; None when speculation is off."""
+def make_speculator(config: SpeculativeConfig, context_length: int, draft_worker=None) -> Speculator | None:
+    """The `Speculator` of ``config.speculative_algorithm``; None when speculation is off.
+
+    draft_worker: the model worker's `DraftWorker` (STANDALONE; a ValueError when missing).
+    """
     if config.speculative_algorithm is None:
         return None
     if config.speculative_algorithm == "NGRAM":
         return Speculator(config, context_length)
+    if config.speculative_algorithm == "STANDALONE":
+        # Imported here: `standalone` builds on this module.
+        from arborlm.runtime.speculative.standalone import DraftModelSpeculator
+
+        if draft_worker is None:
+            raise ValueError("speculative_algorithm='STANDALONE' needs a worker with a draft model "
+                             "(speculative_draft_model_path)")
+        return DraftModelSpeculator(config, context_length, draft_worker=draft_worker)
     raise ValueError(f"speculative_algorithm={config.speculative_algorithm!r} is not served")
 
 

@@ -1,0 +1,89 @@
+"""STANDALONE speculation: a smaller model with the target's tokenizer drafts, the target verifies.
+
+The scheduler's side of it. `DraftModelSpeculator` is the n-gram `Speculator`
+with another source of drafts: per decode step it works out how long a draft
+each request may take (its pause after rejections, ``max_new_tokens``, the
+context and the target's free KV slots, at most ``speculative_num_steps``),
+asks the model worker's `DraftWorker` for them in one batch (a catch-up extend,
+then decode steps), cuts each before the first token its grammar rejects, and
+hands them to the same one-extend-step verify and acceptance as NGRAM
+(`scheduling.build_verify_batch`, `verify.DraftVerifier`). After verification
+the draft's KV of rejected tokens is freed at once; the draft KV of a request
+that finished, was aborted or retracted is released at the end of the step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from arborlm.runtime.schedule_batch import Req
+from arborlm.runtime.speculative.draft_worker import DraftWorker
+from arborlm.runtime.speculative.scheduling import SpecReqState, Speculator, grammatical_prefix
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DraftModelSpeculator(Speculator):
+    """Drafts from a draft model (`DraftWorker`); statistics and pauses as `Speculator`'s.
+
+    Parameters
+    ----------
+    config, context_length: as `Speculator` (``speculative_num_steps`` is the longest draft).
+    draft_worker: the model worker's draft model and its KV.
+    """
+
+    draft_worker: DraftWorker | None = None
+
+    def __post_init__(self):
+        if self.draft_worker is None:
+            raise ValueError("DraftModelSpeculator needs a draft_worker")
+        self.num_steps = self.config.speculative_num_steps
+
+    def propose_drafts(self, reqs: list[Req], free_slots: int) -> list[list[int]] | None:
+        """A draft per request of a decode step, or None when none has one (a plain decode).
+
+        A draft model failure is logged and the step decodes without drafts;
+        the requests' draft KV is dropped (they catch up on a later step).
+        """
+        limit = self.config.speculative_disable_by_batch_size
+        if limit and len(reqs) >= limit:
+            self.stats.num_skipped_batches += 1
+            return None
+        max_lens = []
+        for req in reqs:
+            room = max(0, min(self.num_steps, self.draft_room(req, free_slots)))
+            free_slots -= room
+            max_lens.append(room)
+        try:
+            drafts = self.draft_worker.propose(reqs, max_lens)
+        except Exception:  # noqa: BLE001 - a failed draft must not fail the requests
+            logger.exception("draft model step failed; decoding %d request(s) without drafts", len(reqs))
+            for req in reqs:
+                self.draft_worker.release(req)
+            return None
+        for req, draft in zip(reqs, drafts):
+            if req.grammar is not None:
+                draft[:] = grammatical_prefix(req.grammar, draft)
+            self._state(req).last_draft_len = len(draft)
+        return drafts if any(drafts) else None
+
+    def _state(self, req: Req) -> SpecReqState:
+        if req.spec_state is None:
+            req.spec_state = SpecReqState(None)
+        return req.spec_state
+
+    def on_verified(self, req: Req, draft_len: int, num_emitted: int) -> None:
+        """Count the result (see `Speculator.on_verified`) and free the draft's KV of rejected tokens."""
+        super().on_verified(req, draft_len, num_emitted)
+        self.draft_worker.trim(req)
+
+    def on_finished(self, req: Req) -> None:
+        """Release the finished request's draft KV and drop its drafting state."""
+        self.draft_worker.release(req)
+        req.spec_state = None
+
+    def on_step_end(self) -> None:
+        """Release the draft KV of requests that ended this step by an abort or were retracted."""
+        self.draft_worker.release_dead()
