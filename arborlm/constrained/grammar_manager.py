@@ -8,8 +8,8 @@ those whose grammar is ready and aborts those whose grammar failed or took
 longer than ``grammar_compile_timeout``. With nothing else to do it blocks in
 `GrammarManager.wait_any`.
 
-Compiled grammars are cached by (backend name, kind, text, lenient), least recently used
-first out, so a schema used by many requests compiles once.
+Compiled grammars are cached by (backend name, the key's chosen backend, kind, text, lenient),
+least recently used first out, so a schema used by many requests compiles once.
 
 Where compiling runs. xgrammar's and outlines-core's compilers are C++/Rust
 calls that cannot be interrupted, and some grammars compile for minutes (or
@@ -203,7 +203,7 @@ class GrammarManager:
         self.backend = backend
         self.compile_timeout = compile_timeout
         self.max_cache_entries = max_cache_entries
-        self._cache: OrderedDict[tuple[str, str, str], CompileJob] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, str, str, bool], CompileJob] = OrderedDict()
         self._lock = threading.Lock()
         self._jobs_ready = threading.Condition(self._lock)
         self._queue: deque[CompileJob] = deque()  # jobs no slot has taken yet
@@ -412,8 +412,9 @@ class GrammarManager:
             f"grammar_compile_timeout={self.compile_timeout:g} s still run and cannot be stopped; "
             f"the {key.kind} grammar was not compiled, retry later", key.param)
 
-    def _cache_key(self, key: GrammarKey) -> tuple[str, str, str, bool]:
-        return (self.backend.name, key.kind, key.text, key.lenient)
+    def _cache_key(self, key: GrammarKey) -> tuple[str, str, str, str, bool]:
+        # key.backend: under "auto" the backend the front chose; the same text may go to either.
+        return (self.backend.name, key.backend, key.kind, key.text, key.lenient)
 
     def _uncache(self, job: CompileJob) -> None:
         cache_key = self._cache_key(job.key)

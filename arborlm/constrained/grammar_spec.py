@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from arborlm.constrained.json_schema import (
     PreparedSchema,
@@ -26,7 +26,7 @@ from arborlm.constrained.json_schema import (
 )
 from arborlm.constrained.keys import ANY_JSON, GrammarError, GrammarKey
 from arborlm.constrained.regex_constraint import validate_regex_output
-from arborlm.constrained.registry import backend_class
+from arborlm.constrained.registry import AUTO_BACKEND_ORDER, backend_class
 from arborlm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -79,15 +79,53 @@ def grammar_spec_from_params(params: SamplingParams, backend: str) -> GrammarSpe
     GrammarError
         The constraint does not parse, uses a schema keyword that cannot be
         enforced (unless ``json_schema_lenient``, which drops it), or
-        ``backend`` cannot compile its kind or this schema even when lenient.
+        ``backend`` cannot compile its kind or this schema even when lenient;
+        with ``backend="auto"``: no backend of `AUTO_BACKEND_ORDER` accepts it
+        (otherwise the key names the one that does, see `_auto_spec`).
     ValueError
         ``backend`` is not a known grammar backend.
     """
+    if backend == "auto":
+        return _auto_spec(params)
     spec = _spec(params, backend)
     if spec is None:
         return None
     backend_class(backend).check(spec.key)
     return spec
+
+
+def _auto_spec(params: SamplingParams) -> GrammarSpec | None:
+    """``grammar_backend="auto"``: the spec of the first backend of `AUTO_BACKEND_ORDER` that accepts
+    the constraint, that backend written into its key (`GrammarKey.backend`).
+
+    A lenient schema goes to the first backend that enforces all of it (drops
+    nothing), else to the one that drops the fewest keywords: lenient mode
+    means "enforce what you can", and one backend may enforce what the other drops.
+
+    Raises
+    ------
+    GrammarError
+        Every backend refuses it: the first backend's error, the others' reasons appended.
+    """
+    accepted: list[GrammarSpec] = []
+    errors: list[tuple[str, GrammarError]] = []
+    for name in AUTO_BACKEND_ORDER:
+        try:
+            spec = _spec(params, name)
+            if spec is None:
+                return None
+            backend_class(name).check(spec.key)
+        except GrammarError as e:
+            errors.append((name, e))
+            continue
+        accepted.append(replace(spec, key=replace(spec.key, backend=name)))
+        if not spec.dropped:
+            break
+    if accepted:
+        return min(accepted, key=lambda spec: len(spec.dropped))  # the first among the fewest drops
+    first = errors[0][1]
+    others = "; ".join(f"the {name} backend refuses it too: {e.message}" for name, e in errors[1:])
+    raise GrammarError(f"{first.message} ({others})" if others else first.message, first.param)
 
 
 def _prepare_or_refuse(params: SamplingParams, policy):

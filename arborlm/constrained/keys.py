@@ -36,11 +36,16 @@ class GrammarKey:
         regex, an EBNF/GBNF grammar, a structural-tag JSON); "" for json_object.
     lenient: a `json_schema_lenient` schema: besides dropping what a backend cannot
         enforce, it lifts the default bound on number literals' digits (`number_bounds`).
+    backend: the grammar backend the front chose for this key under
+        ``grammar_backend="auto"`` (`auto_backend`), which the scheduler's
+        `AutoGrammarBackend` compiles it on; "" means the server's backend (under
+        "auto" its first choice, xgrammar).
     """
 
     kind: str
     text: str
     lenient: bool = False
+    backend: str = ""
 
     @property
     def param(self) -> str:

@@ -18,7 +18,21 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from arborlm.constrained.base import GrammarBackend
 
-GRAMMAR_BACKEND_NAMES = ("xgrammar", "outlines", "llguidance")
+GRAMMAR_BACKEND_NAMES = ("xgrammar", "outlines", "llguidance", "auto")
+
+# ``grammar_backend="auto"``: the backends tried for each request's constraint, in order; the
+# first that accepts it at the front's check compiles it (`auto_backend`). xgrammar first: it
+# covers the most of JSONSchemaBench alone (docs/structured_output.md); llguidance takes the
+# schemas it refuses (decimal ``multipleOf``, ``uniqueItems`` over enums).
+AUTO_BACKEND_ORDER = ("xgrammar", "llguidance")
+
+
+def resolved_backend(key_backend: str, server_backend: str) -> str:
+    """The backend that compiles a key: the one the front chose (``GrammarKey.backend``), else the
+    server's, "auto" meaning its first choice."""
+    if key_backend:
+        return key_backend
+    return AUTO_BACKEND_ORDER[0] if server_backend == "auto" else server_backend
 
 
 def backend_class(name: str) -> type[GrammarBackend]:
@@ -43,4 +57,8 @@ def backend_class(name: str) -> type[GrammarBackend]:
         from arborlm.constrained.llguidance_backend import LLGuidanceBackend
 
         return LLGuidanceBackend
+    if name == "auto":
+        from arborlm.constrained.auto_backend import AutoGrammarBackend
+
+        return AutoGrammarBackend
     raise ValueError(f"unknown grammar backend {name!r}; expected one of {GRAMMAR_BACKEND_NAMES}")

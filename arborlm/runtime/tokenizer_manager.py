@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from arborlm.constrained.grammar_spec import GrammarSpec, grammar_spec_from_params
+from arborlm.constrained.registry import resolved_backend
 from arborlm.errors import (
     EngineDeadError,
     InvalidRequestError,
@@ -157,7 +158,10 @@ class TokenizerManager:
             raise InvalidRequestError(f"request id {rid!r} is already in flight", param="rid")
         self._check_cache_salt(obj.cache_salt)
         backend = self.server_args.grammar.grammar_backend
-        grammar = after_reasoning(grammar_spec_from_params(params, backend), params.reasoning, backend)
+        grammar = grammar_spec_from_params(params, backend)
+        # Under grammar_backend auto the constraint's own backend (the one the front chose) decides.
+        chosen = resolved_backend(grammar.key.backend, backend) if grammar is not None else backend
+        grammar = after_reasoning(grammar, params.reasoning, chosen)
         return TokenizedGenerateReqInput(
             rid=rid,
             input_ids=input_ids,
@@ -431,6 +435,9 @@ class TokenizerManager:
             "e2e_latency": now - state.created_time,
             "ttft": (state.first_token_time - state.created_time) if state.first_token_time else None,
         }
+        if state.grammar is not None:
+            # The backend that compiled the request's grammar (under grammar_backend auto, per request).
+            meta["grammar_backend"] = resolved_backend(state.grammar.key.backend, self.server_args.grammar.grammar_backend)
         if out.spec_verify_ct:
             # SGLang's field: verify steps; accepted draft tokens beside it (docs/speculative.md).
             meta["spec_verify_ct"] = out.spec_verify_ct

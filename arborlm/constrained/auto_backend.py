@@ -1,0 +1,99 @@
+"""``grammar_backend="auto"``: each request's grammar compiled on the backend the front chose for it.
+
+The front (`grammar_spec.grammar_spec_from_params`) tries the backends of
+`AUTO_BACKEND_ORDER` in turn on a request's constraint, each with its own
+schema policy and ``check``, and writes the first that accepts it into the key
+(`GrammarKey.backend`); a constraint every backend refuses is a 400 there. The
+scheduler's `GrammarManager` holds one `AutoGrammarBackend`, which compiles
+each key on the backend named in it, so the answer the front gave (accepted,
+and by whom) is the one the scheduler acts on.
+
+Backends can share a batch: every backend writes the same bitmask layout
+(`base`: int32, ceil(vocab / 32) words per row, bit ``j % 32`` of word
+``j // 32``), and the model worker asks each request's own matcher to fill its
+row, accept its token, roll back and find its forced text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from arborlm.constrained.base import CompiledGrammar, GrammarBackend, GrammarError, GrammarKey
+from arborlm.constrained.json_schema import XGRAMMAR_POLICY
+from arborlm.constrained.registry import AUTO_BACKEND_ORDER, backend_class
+
+
+class AutoGrammarBackend(GrammarBackend):
+    """Compiles each key on the backend its ``backend`` field names (xgrammar when empty).
+
+    Parameters
+    ----------
+    tokenizer, vocab_size, eos_token_ids:
+        As for every backend (`GrammarBackend`); each backend of
+        `AUTO_BACKEND_ORDER` is built with them (each reads the vocabulary once).
+
+    Raises
+    ------
+    ValueError
+        As the backends' constructors (no EOS id, a tokenizer one cannot read).
+    """
+
+    name = "auto"
+    kinds = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
+    # A key that names no backend (a tool call's argument schema, a constraint after reasoning)
+    # is the first backend's, prepared with its policy.
+    schema_policy = XGRAMMAR_POLICY
+    compile_in_worker_by_default = False  # as both backends: their compiles are not worth shipping
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
+        self.backends: dict[str, GrammarBackend] = {
+            name: backend_class(name)(tokenizer, vocab_size, eos_token_ids) for name in AUTO_BACKEND_ORDER
+        }
+
+    @classmethod
+    def check(cls, key: GrammarKey) -> None:
+        """The check of the backend ``key`` names (the first of `AUTO_BACKEND_ORDER` when none).
+
+        Raises
+        ------
+        GrammarError
+            As that backend's ``check``; or ``key.backend`` is not one that "auto" chooses from.
+        """
+        backend_class(_backend_name(key)).check(key)
+
+    @classmethod
+    def _check_syntax(cls, key: GrammarKey) -> None:
+        backend_class(_backend_name(key))._check_syntax(key)
+
+    def compile(self, key: GrammarKey) -> CompiledGrammar:
+        """``key`` compiled on its backend.
+
+        Raises
+        ------
+        GrammarError
+            As that backend's ``compile``, or ``key.backend`` is not one of `AUTO_BACKEND_ORDER`.
+        """
+        return self.backends[_backend_name(key)].compile(key)
+
+    def compile_serialized(self, key: GrammarKey) -> Any:
+        """Its backend's `compile_serialized` payload (None: compile again in the serving process)."""
+        return self.backends[_backend_name(key)].compile_serialized(key)
+
+    def load_compiled(self, key: GrammarKey, payload: Any) -> CompiledGrammar:
+        """Its backend's grammar from a `compile_serialized` payload."""
+        return self.backends[_backend_name(key)].load_compiled(key, payload)
+
+
+def _backend_name(key: GrammarKey) -> str:
+    """The backend that compiles ``key`` under "auto".
+
+    Raises
+    ------
+    GrammarError
+        ``key.backend`` names a backend "auto" does not choose from.
+    """
+    name = key.backend or AUTO_BACKEND_ORDER[0]
+    if name not in AUTO_BACKEND_ORDER:
+        raise GrammarError(f"grammar_backend auto compiles on {', '.join(AUTO_BACKEND_ORDER)}, not {name!r}",
+                           key.param)
+    return name
