@@ -12,9 +12,15 @@ Variants (bf16 activations throughout):
 - `gguf`: the file served as stored (its Q4_1 and Q8_0 tensors);
 - `gguf-q8_0`, `gguf-q4_0`, `gguf-q4_1`: every linear layer of the dequantized
   model quantized again to that ggml type (`gguf.quants.quantize`) and served by
-  the same kernels, the embedding table kept bf16 (gguf's Python package has no
-  K-quant quantizer, so Q4_K / Q5_K / Q6_K are not in the table);
+  the same kernels, the embedding table kept bf16;
+- `file-q4_k_m`, `file-q5_k_m`, `file-q6_k`: K-quant GGUF files of the default model, its
+  tensors written as F16 (`gguf_models.requantized_default`) and quantized by llama.cpp's
+  `llama-quantize` (gguf's Python package has no K-quant quantizer; the tool is built by
+  `benchmarks/peers/llama_cpp.sh install`), served as stored (`--quantization gguf`;
+  `_M`: llama.cpp's mix, some tensors in Q6_K);
 - `int8`: `--quantization int8` (per-channel weight-only int8);
+- `int4`, `int4wo-128`: `--quantization int4` / `int4wo-128` (weight-only 4-bit, a scale and
+  zero point per group of 32 / 128 inputs);
 - `kv-int8`, `kv-fp8_e4m3`, `kv-fp8_e5m2`: bf16 weights, the KV pool in int8 / fp8.
 
     .venv/bin/python benchmarks/bench_perplexity.py [--window 512] [--variants none gguf int8]
@@ -45,7 +51,10 @@ from arborlm.runtime.model_runner import ModelRunner  # noqa: E402
 
 TEXT = Path(__file__).parent / "data" / "perplexity_text.txt"
 REQUANTIZED = ("q8_0", "q4_0", "q4_1")
-VARIANTS = ("none", "gguf", *(f"gguf-{f}" for f in REQUANTIZED), "int8", "kv-int8", "kv-fp8_e4m3", "kv-fp8_e5m2")
+K_QUANT_FILES = ("q4_k_m", "q5_k_m", "q6_k")  # llama-quantize's type names, lower case
+WEIGHT_ONLY = ("int8", "int4", "int4wo-128")
+VARIANTS = ("none", "gguf", *(f"gguf-{f}" for f in REQUANTIZED), *(f"file-{f}" for f in K_QUANT_FILES),
+            *WEIGHT_ONLY, "kv-int8", "kv-fp8_e4m3", "kv-fp8_e5m2")
 
 
 def runner_for(variant: str, model: str | None, dtype: str = "bfloat16") -> ModelRunner:
@@ -53,14 +62,26 @@ def runner_for(variant: str, model: str | None, dtype: str = "bfloat16") -> Mode
     kwargs = dict(model_path=model, dtype=dtype, max_total_tokens=4096, log_level="warning")
     if variant.startswith("kv-"):
         kwargs.update(quantization="none", kv_cache_dtype=variant.removeprefix("kv-"))
-    elif variant in ("none", "gguf", "int8"):
+    elif variant in ("none", "gguf", *WEIGHT_ONLY):
         kwargs.update(quantization=variant)
+    elif variant.startswith("file-"):
+        kwargs.update(model_path=str(k_quant_file(variant.removeprefix("file-"))), quantization="gguf")
     else:
         kwargs.update(quantization="none")
     runner = ModelRunner(ServerArgs.from_kwargs(**kwargs))
     if variant.startswith("gguf-"):
         requantize_linears(runner.model, variant.removeprefix("gguf-"))
     return runner
+
+
+def k_quant_file(fmt: str) -> Path:
+    """The default model as a `fmt` GGUF file written by llama-quantize (ValueError without the tool)."""
+    from benchmarks import gguf_models
+
+    path = gguf_models.llama_quantize(gguf_models.requantized_default("F16"), fmt.upper())
+    if path is None:
+        raise ValueError(f"{gguf_models.LLAMA_QUANTIZE} is not built: run benchmarks/peers/llama_cpp.sh install")
+    return path
 
 
 def requantize_linears(model: torch.nn.Module, fmt: str) -> None:

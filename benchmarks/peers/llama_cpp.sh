@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # llama.cpp's llama-server, built from the vendor/llama.cpp tree of the llama-cpp-python
-# source package on PyPI (cmake, about 4 minutes on 2 cores) into $PEERS_CACHE/llama.cpp;
+# source package on PyPI (cmake, about 4 minutes on 2 cores) into $PEERS_CACHE/llama.cpp, with
+# llama-quantize (benchmarks/gguf_models.py writes the K-quant files with it);
 # serves the default GGUF file itself with -np 8 -c 8192 -t 2.
 PEER=llama.cpp
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 LCP_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 DIR="$PEERS_CACHE/llama.cpp"
 BIN="$DIR/build/bin/llama-server"
+QUANTIZE_BIN="$DIR/build/bin/llama-quantize"
 
 # GGML_NATIVE=ON built instructions this VM's CPU reports but cannot run ("Illegal
 # instruction" at start): build for AVX2/FMA instead, which any recent x86-64 runs.
@@ -14,7 +16,12 @@ CPU_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F
 STAMP="$DIR/build/.arborlm-cpu-flags"
 
 install() {
-  [[ -x "$BIN" && "$(cat "$STAMP" 2>/dev/null)" == "${CPU_FLAGS[*]}" ]] && return
+  if [[ -x "$BIN" && "$(cat "$STAMP" 2>/dev/null)" == "${CPU_FLAGS[*]}" ]]; then
+    # a build of an earlier version of this script: add llama-quantize (incremental, the libraries are built)
+    [[ -x "$QUANTIZE_BIN" ]] || cmake --build "$DIR/build" --target llama-quantize -j "$(nproc)" \
+      || skip "build of llama-quantize failed"
+    return
+  fi
   command -v cmake >/dev/null || skip "cmake is missing (apt-get install cmake)"
   command -v c++ >/dev/null || skip "no C++ compiler (apt-get install g++)"
   log "building llama-server from llama-cpp-python==$LCP_VERSION into $DIR"
@@ -28,8 +35,9 @@ install() {
     "${CPU_FLAGS[@]}" -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_WEBUI=OFF -DLLAMA_USE_PREBUILT_WEBUI=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
     || skip "cmake configure failed"
-  cmake --build "$DIR/build" --target llama-server -j "$(nproc)" || skip "build of llama-server failed"
-  [[ -x "$BIN" ]] || skip "no $BIN after the build"
+  cmake --build "$DIR/build" --target llama-server llama-quantize -j "$(nproc)" \
+    || skip "build of llama-server failed"
+  [[ -x "$BIN" && -x "$QUANTIZE_BIN" ]] || skip "no $BIN or $QUANTIZE_BIN after the build"
   echo "${CPU_FLAGS[*]}" > "$STAMP"
 }
 
