@@ -42,18 +42,30 @@ def cache_dir() -> Path:
 
 def requantized_default(fmt: str) -> Path:
     """The default model with its matrices requantized to `fmt` (F16, Q8_0, Q4_0, Q4_1)."""
-    import gguf
-
     dst = cache_dir() / f"smollm2-135m-{fmt}.gguf"
     if not dst.exists():
-        reader = gguf.GGUFReader(str(default_model_path()))
-
-        def tensors():
-            for t in reader.tensors:
-                yield t.name, gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape)))
-
-        _write(dst, reader, fmt, tensors(), {})
+        requantize_file(default_model_path(), dst, fmt)
     return dst
+
+
+def requantize_file(src: Path, dst: Path, fmt: str) -> None:
+    """Write `src` (a GGUF file) to `dst` with every matrix dequantized and quantized to `fmt`
+    (F16, Q8_0, Q4_0, Q4_1), vectors in F32, the metadata as it was but `general.file_type`.
+
+    Raises
+    ------
+    ValueError
+        From `gguf.quants` for a matrix whose rows are not whole blocks of `fmt`.
+    """
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+
+    def tensors():
+        for t in reader.tensors:
+            yield t.name, gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+
+    _write(dst, reader, fmt, tensors(), {})
 
 
 def random_llama(fmt: str, seed: int = 0) -> Path:
