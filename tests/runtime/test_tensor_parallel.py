@@ -16,9 +16,17 @@ import arborlm
 from arborlm.errors import EngineDeadError
 from arborlm.kernels.cpu_ops import layer_ops
 from arborlm.runtime.config import ServerArgs
-from arborlm.runtime.distributed.launch import free_loopback_port
-from arborlm.runtime.distributed.parallel_state import ParallelState, destroy_parallel_state, init_parallel_state
-from arborlm.runtime.layers.linear import MergedLinear, QKVParallelLinear, make_merged_column_linear, make_row_linear
+from arborlm.runtime.distributed.launch import TpWorkers, free_loopback_port
+from arborlm.runtime.distributed.parallel_state import (
+    ParallelState,
+    destroy_parallel_state,
+    init_parallel_state,
+)
+from arborlm.runtime.layers.linear import (
+    QKVParallelLinear,
+    make_merged_column_linear,
+    make_row_linear,
+)
 from arborlm.runtime.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from arborlm.runtime.model_loader import _tensor_parallel_kwargs
 
@@ -142,6 +150,34 @@ def test_model_refuses_sizes_tp_size_does_not_divide(changes, match):
                          layer_ops(cpu, native=False), parallel=ParallelState(tp_rank=0, tp_size=3))
 
 
+class _FakeRank:
+    """A stand-in for a rank's process: alive or exited with `exitcode`."""
+
+    def __init__(self, alive: bool, exitcode: int | None = None):
+        self.alive, self.exitcode = alive, exitcode
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def join(self, timeout=None) -> None:
+        pass
+
+
+def test_a_rank_failing_to_start_raises_its_error():
+    ctx = tmp.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    workers = TpWorkers(nccl_port=1, processes=[_FakeRank(True)], readers=[reader])
+    workers.check_started()  # still loading: nothing to say
+    writer.send({"status": "error", "error": ValueError("tp_size=2 does not divide intermediate_size=5"),
+                 "traceback": ""})
+    with pytest.raises(ValueError, match="intermediate_size=5"):
+        workers.check_started()
+    silent = TpWorkers(nccl_port=1, processes=[_FakeRank(False, -9)], readers=[ctx.Pipe(duplex=False)[0]])
+    with pytest.raises(EngineDeadError, match="tensor-parallel rank 1 exited while starting"):
+        silent.check_started()
+    assert "rank 1 exited (code -9)" in silent.first_dead()
+
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
 
@@ -164,6 +200,7 @@ def test_tp2_greedy_equals_tp1_token_for_token(tiny_llama_dir):
     try:
         got = _greedy_ids(tp2)
         info = tp2.get_server_info(check_invariants=True)
+        assert info["tp_size"] == 2
         assert info["free_req_rows"] == info["total_req_rows"]
         assert info["free_kv_tokens"] + info["cached_kv_tokens"] == info["max_total_tokens"] == 4096
         assert got == want

@@ -39,16 +39,17 @@ class TpWorkers:
         """Raise the load error a rank reported, or EngineDeadError for a rank that died
         starting; return quietly while they are loading or once they are ready."""
         for rank, (process, reader) in enumerate(zip(self.processes, self.readers), start=1):
-            if reader is not None and reader.poll():
-                try:
-                    msg = reader.recv()
-                except EOFError:
-                    msg = {"status": "error", "error": None, "traceback": ""}
-                self.readers[rank - 1] = None
-                if msg["status"] != "ready":
-                    _raise_start_error(rank, msg, process)
-            elif reader is not None and not process.is_alive():
-                raise EngineDeadError(f"tensor-parallel rank {rank} exited while starting (code {process.exitcode})")
+            if reader is None or not (reader.poll() or not process.is_alive()):
+                continue
+            self.readers[rank - 1] = None
+            try:
+                msg = reader.recv()
+            except EOFError:  # the process is gone without a word (killed, or out of memory)
+                process.join(5)
+                raise EngineDeadError(f"tensor-parallel rank {rank} exited while starting "
+                                      f"(code {process.exitcode})") from None
+            if msg["status"] != "ready":
+                _raise_start_error(rank, msg, process)
 
     def first_dead(self) -> str | None:
         """Why a rank is gone, in words, or None while all run."""
