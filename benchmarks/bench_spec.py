@@ -1,10 +1,17 @@
-"""Speculative decoding: speculation off vs NGRAM, interleaved A/B in one run.
+"""Speculative decoding: speculation off vs NGRAM vs STANDALONE, interleaved A/B in one run.
 
-Two in-process Engines on the same model (``speculative_algorithm=None`` and
-``"NGRAM"``) stay loaded side by side; every (workload, batch size) cell runs
-``--rounds`` times per engine, alternating which goes first, so the machine's
-drift falls on both. Greedy decoding throughout, so the two engines must
-produce the same tokens: the table says how many requests did.
+In-process Engines on the same model (``speculative_algorithm=None``,
+``"NGRAM"`` and ``"STANDALONE"``) stay loaded side by side; every (workload,
+batch size) cell runs ``--rounds`` times per engine, rotating which goes
+first, so the machine's drift falls on all. Greedy decoding throughout, so the
+engines must produce the same tokens: the table says how many requests did.
+
+The STANDALONE draft is made in the run from the local weights (nothing is
+downloaded): the target truncated to its first ``--draft-layers`` decoder
+layers (embeddings, those layers, the final norm and the tied head), saved as
+a checkpoint folder with the target's tokenizer. ``--draft-self`` adds a
+STANDALONE engine whose draft is the target itself: the upper bound of
+acceptance (every draft token accepted in float32), at twice the compute.
 
 Workloads (chat-templated prompts for the default SmolLM2-135M-Instruct):
 
@@ -13,10 +20,11 @@ Workloads (chat-templated prompts for the default SmolLM2-135M-Instruct):
 * ``code``: rewrite a given function with one variable renamed;
 * ``chat``: free-form answers to open questions (little to copy).
 
-Per cell: output tok/s (completion tokens / wall time of the batch), TPOT
-p50/p95 ((e2e - ttft) / (tokens - 1) per request), the mean accept length
-(tokens emitted per request and verify step) and the ratio on/off of the
-medians over rounds. Timing runs take /tmp/arborlm-timing.lock::
+Per cell and method: output tok/s (completion tokens / wall time of the batch),
+TPOT p50/p95 ((e2e - ttft) / (tokens - 1) per request), the mean accept length
+(tokens emitted per request and verify step), target forward steps, draft
+model forward steps, and the ratio method/off of the medians over rounds.
+Timing runs take /tmp/arborlm-timing.lock::
 
     flock /tmp/arborlm-timing.lock .venv/bin/python benchmarks/bench_spec.py \\
         --batch-sizes 1 8 32 --rounds 3 --markdown-out benchmarks/results/spec.md
@@ -28,6 +36,7 @@ import argparse
 import json
 import random
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -106,8 +115,46 @@ def run_cell(engine, prompts: list[str], params: dict[str, Any]) -> dict[str, An
         "verify_steps": verified,
         "steps": (after["num_decode_steps"] + after["num_extend_steps"]
                   - before["num_decode_steps"] - before["num_extend_steps"]),
+        "draft_steps": after.get("spec_num_draft_forward_steps", 0) - before.get("spec_num_draft_forward_steps", 0),
         "output_ids": [o["output_ids"] for o in outs],
     }
+
+
+def make_truncated_draft(model: str | None, num_layers: int, folder: Path) -> Path:
+    """The target's first ``num_layers`` decoder layers as a checkpoint folder (float32 safetensors
+    and the target's tokenizer files), built from the local weights."""
+    from transformers import AutoModelForCausalLM
+
+    from arborlm.runtime.model_loader import resolve_checkpoint
+
+    source = resolve_checkpoint(model, progress=False)
+    draft = AutoModelForCausalLM.from_pretrained(str(source), num_hidden_layers=num_layers)
+    draft.save_pretrained(folder)
+    for path in source.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges")):
+            (folder / path.name).write_bytes(path.read_bytes())
+    return folder
+
+
+def make_engines(args, tmp: Path) -> dict[str, Any]:
+    """One Engine per method of ``args.methods`` (plus the draft = target one with ``--draft-self``)."""
+    common = dict(model=args.model, dtype=args.dtype, quantization=args.quantization, log_level="warning",
+                  random_seed=0, max_running_requests=64)
+    engines = {"off": arborlm.Engine(**common)}
+    if "ngram" in args.methods:
+        engines["ngram"] = arborlm.Engine(**common, speculative_algorithm="NGRAM",
+                                          speculative_num_draft_tokens=args.num_draft_tokens)
+    drafts = {}
+    if "standalone" in args.methods:
+        drafts["standalone"] = str(make_truncated_draft(args.model, args.draft_layers, tmp / "draft"))
+    if args.draft_self:
+        from arborlm.runtime.model_loader import resolve_checkpoint
+
+        drafts["standalone-self"] = str(resolve_checkpoint(args.model, progress=False))
+    for name, path in drafts.items():
+        engines[name] = arborlm.Engine(**common, speculative_algorithm="STANDALONE",
+                                       speculative_draft_model_path=path, speculative_num_steps=args.num_steps)
+    return engines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,25 +164,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantization", default=None, help="gguf | none (default: the model's)")
     ap.add_argument("--workloads", nargs="+", default=["copy", "json", "code", "chat"])
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
+    ap.add_argument("--methods", nargs="+", default=["ngram", "standalone"], choices=["ngram", "standalone"],
+                    help="what is compared with speculation off")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--num-draft-tokens", type=int, default=6)
+    ap.add_argument("--num-draft-tokens", type=int, default=6, help="NGRAM: speculative_num_draft_tokens")
+    ap.add_argument("--num-steps", type=int, default=3, help="STANDALONE: speculative_num_steps")
+    ap.add_argument("--draft-layers", type=int, default=4, help="STANDALONE: decoder layers kept in the draft")
+    ap.add_argument("--draft-self", action="store_true", help="also STANDALONE with the target as its own draft")
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--markdown-out", default=None)
     args = ap.parse_args(argv)
 
-    common = dict(model=args.model, dtype=args.dtype, quantization=args.quantization, log_level="warning",
-                  random_seed=0, max_running_requests=64)
-    engines = {
-        "off": arborlm.Engine(**common),
-        "ngram": arborlm.Engine(**common, speculative_algorithm="NGRAM",
-                                speculative_num_draft_tokens=args.num_draft_tokens),
-    }
-    try:
-        rows = bench(engines, args)
-    finally:
-        for e in engines.values():
-            e.shutdown()
+    with tempfile.TemporaryDirectory(prefix="bench_spec_") as tmp:
+        engines = make_engines(args, Path(tmp))
+        try:
+            rows = bench(engines, args)
+        finally:
+            for e in engines.values():
+                e.shutdown()
     table = markdown(rows, args)
     print(table)
     if args.markdown_out:
@@ -151,51 +198,56 @@ def bench(engines: dict[str, Any], args) -> list[dict[str, Any]]:
     warm, _ = workload_prompts(engines["off"], "copy", 2, seed=99)
     for e in engines.values():
         e.generate(warm, {**params, "max_new_tokens": 8})
+    names = list(engines)
     rows = []
     for workload in args.workloads:
         for batch in args.batch_sizes:
             prompts, extra = workload_prompts(engines["off"], workload, batch, seed=batch)
-            cells: dict[str, list[dict[str, Any]]] = {"off": [], "ngram": []}
+            cells: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
             for r in range(args.rounds):
-                order = ["off", "ngram"] if r % 2 == 0 else ["ngram", "off"]
-                for name in order:
+                for name in names[r % len(names):] + names[: r % len(names)]:
                     engines[name].flush_cache()  # each run prefills its prompts itself
                     cells[name].append(run_cell(engines[name], prompts, {**params, **extra}))
-            rows.append(summarise(workload, batch, cells))
-            print(json.dumps({k: v for k, v in rows[-1].items()}), flush=True)
+            for name in names[1:]:
+                rows.append(summarise(workload, batch, name, cells))
+                print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
-def summarise(workload: str, batch: int, cells: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    def med(name: str, key: str) -> float:
-        return statistics.median(c[key] for c in cells[name])
+def summarise(workload: str, batch: int, name: str, cells: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """One table row: method ``name`` against "off" on one cell."""
+    def med(method: str, key: str) -> float:
+        return statistics.median(c[key] for c in cells[method])
 
-    same = sum(a == b for a, b in zip(cells["off"][0]["output_ids"], cells["ngram"][0]["output_ids"]))
+    same = sum(a == b for a, b in zip(cells["off"][0]["output_ids"], cells[name][0]["output_ids"]))
     return {
-        "workload": workload, "batch": batch,
-        "off_tok_s": med("off", "tok_s"), "ngram_tok_s": med("ngram", "tok_s"),
-        "ratio": statistics.median(b["tok_s"] / a["tok_s"] for a, b in zip(cells["off"], cells["ngram"])),
-        "off_tpot_p50_ms": med("off", "tpot_p50_ms"), "ngram_tpot_p50_ms": med("ngram", "tpot_p50_ms"),
-        "off_tpot_p95_ms": med("off", "tpot_p95_ms"), "ngram_tpot_p95_ms": med("ngram", "tpot_p95_ms"),
-        "accept_len": med("ngram", "accept_len"), "identical": f"{same}/{batch}",
-        "off_steps": med("off", "steps"), "ngram_steps": med("ngram", "steps"),
+        "workload": workload, "batch": batch, "method": name,
+        "off_tok_s": med("off", "tok_s"), "tok_s": med(name, "tok_s"),
+        "ratio": statistics.median(b["tok_s"] / a["tok_s"] for a, b in zip(cells["off"], cells[name])),
+        "off_tpot_p50_ms": med("off", "tpot_p50_ms"), "tpot_p50_ms": med(name, "tpot_p50_ms"),
+        "off_tpot_p95_ms": med("off", "tpot_p95_ms"), "tpot_p95_ms": med(name, "tpot_p95_ms"),
+        "accept_len": med(name, "accept_len"), "identical": f"{same}/{batch}",
+        "off_steps": med("off", "steps"), "steps": med(name, "steps"), "draft_steps": med(name, "draft_steps"),
     }
 
 
 def markdown(rows: list[dict[str, Any]], args) -> str:
-    head = ("| workload | batch | off tok/s | NGRAM tok/s | NGRAM/off | TPOT p50 off / NGRAM (ms) "
-            "| TPOT p95 off / NGRAM (ms) | forward steps off / NGRAM | accept length | greedy identical |\n"
-            "|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| workload | batch | method | off tok/s | method tok/s | method/off | TPOT p50 off / method (ms) "
+            "| TPOT p95 off / method (ms) | target forward steps off / method | draft model steps "
+            "| accept length | greedy identical |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         lines.append(
-            f"| {r['workload']} | {r['batch']} | {r['off_tok_s']:.1f} | {r['ngram_tok_s']:.1f} | {r['ratio']:.2f}x "
-            f"| {r['off_tpot_p50_ms']:.0f} / {r['ngram_tpot_p50_ms']:.0f} "
-            f"| {r['off_tpot_p95_ms']:.0f} / {r['ngram_tpot_p95_ms']:.0f} | {r['off_steps']:.0f} / {r['ngram_steps']:.0f} "
-            f"| {r['accept_len']:.2f} | {r['identical']} |")
+            f"| {r['workload']} | {r['batch']} | {r['method']} | {r['off_tok_s']:.1f} | {r['tok_s']:.1f} "
+            f"| {r['ratio']:.2f}x | {r['off_tpot_p50_ms']:.0f} / {r['tpot_p50_ms']:.0f} "
+            f"| {r['off_tpot_p95_ms']:.0f} / {r['tpot_p95_ms']:.0f} | {r['off_steps']:.0f} / {r['steps']:.0f} "
+            f"| {r['draft_steps']:.0f} | {r['accept_len']:.2f} | {r['identical']} |")
     lines.append(f"\n{args.rounds} rounds per cell, median ratio of interleaved runs; dtype={args.dtype}, "
                  f"quantization={args.quantization or 'default'}, max_new_tokens={args.max_new_tokens}, "
-                 f"speculative_num_draft_tokens={args.num_draft_tokens}.")
+                 f"NGRAM speculative_num_draft_tokens={args.num_draft_tokens}, STANDALONE "
+                 f"speculative_num_steps={args.num_steps} with the target's first {args.draft_layers} layers "
+                 f"as draft{' (standalone-self: the target as its own draft)' if args.draft_self else ''}.")
     return "\n".join(lines)
 
 

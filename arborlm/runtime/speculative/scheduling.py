@@ -52,6 +52,7 @@ class SpecStats:
     num_emitted_tokens: int = 0  # tokens the verify steps emitted (accepted drafts + one each)
     num_verified_reqs: int = 0  # request-steps verified
     num_skipped_batches: int = 0  # decode steps left undrafted by the batch-size switch
+    num_draft_forward_steps: int = 0  # STANDALONE: draft model steps (prefill, catch-up and decode)
 
     def as_dict(self) -> dict[str, float]:
         accept_length = self.num_emitted_tokens / self.num_verified_reqs if self.num_verified_reqs else 0.0
@@ -63,6 +64,7 @@ class SpecStats:
             "spec_accept_rate": rate,
             "avg_spec_accept_length": accept_length,  # SGLang's name
             "spec_num_skipped_batches": self.num_skipped_batches,
+            "spec_num_draft_forward_steps": self.num_draft_forward_steps,
         }
 
 

@@ -63,6 +63,8 @@ class DraftModelSpeculator(Speculator):
             for req in reqs:
                 self.draft_worker.release(req)
             return None
+        finally:
+            self.stats.num_draft_forward_steps = self.draft_worker.num_forward_steps
         for req, draft in zip(reqs, drafts):
             if req.grammar is not None:
                 draft[:] = grammatical_prefix(req.grammar, draft)
