@@ -215,18 +215,19 @@ def run_group(group: Group, batch_size: int, args: argparse.Namespace, server: L
     if server is not None:
         rows[LLAMA] = Row()
         server.block(batch_size, args.prompt_len, 4)  # warm-up
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         for variant, sched in schedulers.items():
             start = time.perf_counter()
             for _ in range(args.block):
                 sched.step()
             rows[variant].decode_ms.append((time.perf_counter() - start) / args.block * 1e3)
-            rows[variant].prefill_tok_s.append(prefill_tok_s(sched, args.prefill_len))
+            if r < args.prefill_rounds:
+                rows[variant].prefill_tok_s.append(prefill_tok_s(sched, args.prefill_len))
         if server is not None:
             step_ms, prefill = server.block(batch_size, args.prompt_len, 4 * args.block)
             rows[LLAMA].decode_ms.append(step_ms)
     if server is not None:  # its prefill of the same prompt length as ours, outside the decode blocks
-        for _ in range(3):
+        for _ in range(args.prefill_rounds):
             rows[LLAMA].prefill_tok_s.append(server.block(1, args.prefill_len, 1)[1])
     del schedulers
     return rows
@@ -265,6 +266,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="decode steps before timing")
     parser.add_argument("--rounds", type=int, default=6, help="blocks of decode steps per variant")
     parser.add_argument("--block", type=int, default=4, help="decode steps per block")
+    parser.add_argument("--prefill-rounds", type=int, default=3, help="rounds that also time a prefill")
     parser.add_argument("--ppl-tokens", type=int, default=1024, help="tokens of text scored (0: no perplexity)")
     parser.add_argument("--max-total-tokens", type=int, default=4096, help="KV pool slots per variant")
     parser.add_argument("--threads", type=int, default=None, help="torch, OpenMP and llama-server threads")
