@@ -192,6 +192,21 @@ def test_greedy_identity_under_kv_pressure_and_retraction(tiny_llama_dir, tiny_t
     assert on.tokens == off.tokens
 
 
+def test_a_draft_pool_too_small_for_the_batch(tiny_llama_dir, tiny_tokenizer, truncated_draft):
+    """The draft's pool holds less than the batch's tokens: requests take turns in it (the others'
+    draft KV is dropped and caught up later), the tokens stay the same and nothing leaks."""
+    from arborlm.radix_cache.memory_pool import TokenToKVPoolAllocator
+
+    prompts = copy_prompts(3, seed=2)
+    sched = standalone(tiny_llama_dir, tiny_tokenizer, truncated_draft)
+    draft = sched.worker.draft_worker
+    draft.allocator = TokenToKVPoolAllocator(max(len(p) for p in prompts) + 8)
+    off, on = both(sched, lambda: [make_req(f"r{i}", p, max_new_tokens=12, ignore_eos=True)
+                                   for i, p in enumerate(prompts)])
+    assert on.tokens == off.tokens
+    assert sched.get_info()["spec_num_accepted_tokens"] > 0
+
+
 def test_abort_mid_run_frees_the_draft_kv(tiny_llama_dir, tiny_tokenizer, truncated_draft):
     """A request aborted after a few verify steps ends as an abort; the others' tokens are
     unchanged and both pools are whole afterwards."""
@@ -214,6 +229,24 @@ def test_abort_mid_run_frees_the_draft_kv(tiny_llama_dir, tiny_tokenizer, trunca
     assert on.finish["r1"]["type"] == "abort"
     for rid in ("r0", "r2"):
         assert off.tokens[rid][-len(on.tokens[rid]):] == on.tokens[rid]
+
+
+def test_sampled_requests_are_seed_deterministic(tiny_llama_dir, tiny_tokenizer, truncated_draft):
+    """Temperature > 0 (rejection sampling, the greedy draft a point mass): a draft depends on the
+    request's own tokens only, so the same seeds give the same tokens together or one by one."""
+    prompts = copy_prompts(2, seed=3)
+
+    def reqs():
+        return [make_req(f"s{i}", p, seed=100 + i, temperature=0.7, top_k=8, max_new_tokens=14, ignore_eos=True)
+                for i, p in enumerate(prompts)]
+
+    sched = standalone(tiny_llama_dir, tiny_tokenizer, truncated_draft)
+    together = run_to_completion(sched, reqs())
+    assert sched.get_info()["spec_num_accepted_tokens"] > 0
+    for req in reqs():
+        alone = run_to_completion(sched, [req])
+        assert alone.tokens[req.rid] == together.tokens[req.rid]
+    assert_draft_pool_whole(sched)
 
 
 def test_a_failing_draft_model_decodes_without_drafts(tiny_llama_dir, tiny_tokenizer, truncated_draft,
