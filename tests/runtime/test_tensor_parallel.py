@@ -1,5 +1,5 @@
-"""Tensor parallelism (`--tp-size`, issue 23): the split layers against unsharded ones in a world
-of two gloo processes, the arguments refused by name, and greedy output with tp_size=2 equal to
+"""Tensor parallelism (`--tp-size`, issue 23): the split layers and models (K/V heads replicated,
+q/k/v biases, a padded vocabulary) against unsharded ones in a world of two gloo processes, the arguments refused by name, and greedy output with tp_size=2 equal to
 tp_size=1 token for token through the Engine (tiny float32 Llama on the CPU)."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
-def _layers_rank(rank: int, port: int, results) -> None:
+def _layers_rank(rank: int, port: int, checkpoints: dict[str, tuple], results) -> None:
     """One rank of the layer check: every split layer's output next to the unsharded layer's."""
     torch.manual_seed(0)  # the same "checkpoint" on both ranks
     state = init_parallel_state(rank, TP, port, torch.device("cpu"), timeout_s=60)
@@ -85,15 +85,67 @@ def _layers_rank(rank: int, port: int, results) -> None:
     logits = head(x)
     errors["lm_head_shape"] = float(logits.shape != (5, 11))
     errors["lm_head"] = _rel_err(logits, x @ table.T)
+    errors.update(_model_errors(state, checkpoints))
     results.put((rank, errors))
     destroy_parallel_state(state)
+
+
+# Families split on this rank pair: K/V heads replicated (1 K/V head, 2 ranks) with an untied head
+# over a vocabulary the ranks do not divide; Qwen2's q/k/v biases with a tied head.
+MODEL_CONFIGS = {
+    "llama_kv1": ("LlamaConfig", {"num_key_value_heads": 1, "tie_word_embeddings": False, "vocab_size": 101}),
+    "qwen2_bias": ("Qwen2Config", {"num_key_value_heads": 2, "tie_word_embeddings": True, "vocab_size": 96}),
+}
+
+
+def _random_checkpoints() -> dict[str, tuple]:
+    """Per family of MODEL_CONFIGS: its transformers config and a random float32 state dict
+    (built once in the test process and sent to both ranks)."""
+    import transformers
+
+    out = {}
+    for name, (config_cls, changes) in MODEL_CONFIGS.items():
+        config = getattr(transformers, config_cls)(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+            max_position_embeddings=128, **changes)
+        torch.manual_seed(1)
+        hf = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
+        out[name] = (config, {k: v.clone() for k, v in hf.state_dict().items()})
+    return out
+
+
+def _model_errors(state: ParallelState, checkpoints: dict[str, tuple]) -> dict[str, float]:
+    """Per family: logits of the split model against the whole one (extend of two requests, then
+    two decode steps), both built on this rank from the same checkpoint."""
+    from arborlm.radix_cache.memory_pool import TokenToKVPool
+    from arborlm.runtime.layers.attention.factory import create_attention_backend
+    from arborlm.runtime.models.llama import LlamaForCausalLM
+    from tests.runtime.model_helpers import ModelHarness
+
+    cpu, errors = torch.device("cpu"), {}
+    for name, (config, weights) in checkpoints.items():
+        logits = {}
+        for parallel in (None, state):
+            model = LlamaForCausalLM(config, torch.float32, cpu, create_attention_backend("torch", cpu, None),
+                                     layer_ops(cpu, native=False), parallel=parallel)
+            model.load_weights(weights.items())
+            harness = ModelHarness(model, config, num_reqs=2, max_context_len=32, num_slots=64)
+            kv_heads = model.model.layers[0].self_attn.num_kv_heads  # this rank's
+            harness.token_to_kv_pool = TokenToKVPool(64, 2, kv_heads, 8, torch.float32, cpu)
+            rows = [harness.new_req(), harness.new_req()]
+            steps = [harness.extend(rows, [[5, 9, 2, 7, 1], [3, 8, 4]]).next_token_logits]
+            steps += [harness.decode(rows, [11, 12]).next_token_logits, harness.decode(rows, [13, 14]).next_token_logits]
+            logits[parallel is None] = torch.cat(steps)
+        errors[name] = _rel_err(logits[False], logits[True])
+    return errors
 
 
 def test_parallel_layers_match_unsharded_ones():
     ctx = tmp.get_context("spawn")
     results = ctx.Queue()
     port = free_loopback_port()
-    procs = [ctx.Process(target=_layers_rank, args=(r, port, results)) for r in range(TP)]
+    checkpoints = _random_checkpoints()
+    procs = [ctx.Process(target=_layers_rank, args=(r, port, checkpoints, results)) for r in range(TP)]
     for p in procs:
         p.start()
     got = dict(results.get(timeout=120) for _ in range(TP))
