@@ -302,7 +302,9 @@ REFUSED = [
     ({"type": "object", "patternProperties": {".*": INT, "^id$": {"minimum": 5}}}, "patternProperties", "/"),
     ({"type": "object", "patternProperties": {"^x": INT}, "propertyNames": {"maxLength": 3}}, "propertyNames", "/"),
     (obj({"a": INT}, anyOf=[{"required": ["a"]}], unevaluatedProperties=False), "unevaluatedProperties", "/"),
-    ({"$defs": {"a": {"$dynamicAnchor": "a"}}, "$dynamicRef": "#a"}, "$dynamicRef", "/"),
+    # A nested $id opens a second schema resource: the dynamic scope matters (one resource: a $ref).
+    ({"$defs": {"a": {"$id": "https://example.com/a", "$dynamicAnchor": "a"}}, "$dynamicRef": "#a"},
+     "$dynamicRef", "/"),
     ({"type": "object", "patternProperties": {"^x": INT}, "additionalProperties": STR}, "additionalProperties", "/"),
     (obj({"ab": INT}, patternProperties={"a|b": STR}), "patternProperties", "/patternProperties/a|b"),
 ]

@@ -40,9 +40,10 @@ def as_written(relax=None) -> SchemaPolicy:
 def test_each_backend_names_its_policy(name):
     cls = backend_class(name)
     assert cls.name == name
-    assert cls.schema_policy.backend == name
+    # "auto" prepares a key that names no backend (a tool call's schema) as its first choice, xgrammar.
+    assert cls.schema_policy.backend == (name if name != "auto" else "xgrammar")
     assert cls.schema_policy is {"xgrammar": XGRAMMAR_POLICY, "outlines": OUTLINES_POLICY,
-                                 "llguidance": LLGUIDANCE_POLICY}[name]
+                                 "llguidance": LLGUIDANCE_POLICY, "auto": XGRAMMAR_POLICY}[name]
 
 
 def test_the_config_checks_backend_names_against_the_one_list():

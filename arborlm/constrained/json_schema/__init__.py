@@ -17,7 +17,9 @@ Pipeline (`prepare`)
 --------------------
 1. Parse (`parse`): the JSON text, and the dialect it is read (and its
    outputs validated) under.
-2. Rewrite, as the policy's `SchemaForm` says. ``AS_WRITTEN``: the backend
+2. Rewrite what no backend enforces into equivalent schemas of what they do
+   (`conditionals`, with `complement`: ``if``/``then``/``else``, bounded ``contains``,
+   single-resource ``$dynamicRef``), then as the policy's `SchemaForm` says. ``AS_WRITTEN``: the backend
    compiles the user's schema after the policy's ``rewrite`` if any
    (llguidance: `llguidance`). ``XGRAMMAR``: normalise (`normalise`,
    phase A; conjunction in `merge`), an equivalent 2020-12 schema of a few

@@ -26,6 +26,10 @@ every branch (A ∧ (B ∨ C) = (A ∧ B) ∨ (A ∧ C), and the same for ``oneO
 each dependency becomes an ``anyOf`` ("trigger absent" or "trigger present and
 its requirement holds").
 
+Before this phase `conditionals` rewrites ``if``/``then``/``else``, ``contains`` on arrays
+of bounded length and ``$dynamicRef`` in a single-resource document where an equivalent
+schema exists; what it leaves is refused here.
+
 Recorded as problems (refused unless lenient): ``not`` other than of ``{}``,
 a type or ``required``; ``if``; ``contains`` (and ``minContains``/``maxContains``);
 ``uniqueItems: true`` (unless at most one item); ``unevaluated*`` beside
@@ -45,6 +49,7 @@ import referencing.jsonschema
 from referencing import Registry
 from referencing.exceptions import Unresolvable
 
+from arborlm.constrained.json_schema.conditionals import MAX_CONTAINS_BRANCHES, MAX_CONTAINS_ITEMS
 from arborlm.constrained.json_schema.merge import SchemaMerge
 from arborlm.constrained.json_schema.nodes import (
     DEFS_PREFIX,
@@ -401,7 +406,9 @@ class Normaliser:
         if kw.get("uniqueItems") is True and kw.get("maxItems", 2) > 1:
             self.problems.add("uniqueItems", path, "a grammar cannot compare items")
         if "contains" in kw and not (kw.get("minContains") == 0 and "maxContains" not in kw and self.year >= 2019):
-            self.problems.add("contains", path, "a grammar cannot require an item anywhere in the array")
+            self.problems.add("contains", path, "a grammar cannot require an item anywhere in an array of "
+                              f"unbounded length (written out only up to {MAX_CONTAINS_ITEMS} items, "
+                              f"{MAX_CONTAINS_BRANCHES} branches, and maxContains where contains has a complement)")
         if "unevaluatedItems" in kw:
             if any(k in kw for k in _IN_PLACE):
                 self.problems.add("unevaluatedItems", path, "beside in-place applicators")
@@ -441,7 +448,8 @@ class Normaliser:
             parts.append(self.hoist(kw["$ref"], resolver, path))
         for key in ("$dynamicRef", "$recursiveRef"):
             if key in kw:
-                self.problems.add(key, path, "dynamic references are not supported")
+                self.problems.add(key, path, "dynamic references are enforced only in a document of one "
+                                  "schema resource (no nested $id) with each anchor name declared once")
         for i, branch in enumerate(kw.get("allOf", ())):
             parts.append(self.node(branch, resolver, f"{path}/allOf/{i}"))
         for key in ("anyOf", "oneOf"):
@@ -450,7 +458,8 @@ class Normaliser:
         if "not" in kw:
             parts.append(self._negate(kw["not"], resolver, path))
         if "if" in kw and ("then" in kw or "else" in kw):
-            self.problems.add("if", path, "conditional schemas are not supported")
+            self.problems.add("if", path, "enforced only where the if schema's complement can be written: "
+                              "if over type, const, enum, required and properties of those")
 
     def _negate(self, raw: Any, resolver: Any, path: str) -> Schema:
         """A positive schema for ``not: raw``, or {} after recording a problem."""

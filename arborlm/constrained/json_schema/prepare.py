@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 from jsonschema import validators as js_validators
 
+from arborlm.constrained.json_schema.conditionals import rewrite_conditionals
 from arborlm.constrained.json_schema.lower import lower_document
-from arborlm.constrained.json_schema.nodes import PARAM, Problem, first_of_each
+from arborlm.constrained.json_schema.nodes import DRAFT_YEAR, PARAM, Problem, first_of_each
 from arborlm.constrained.json_schema.normalise import Normaliser
 from arborlm.constrained.json_schema.parse import (
     dialect_of,
@@ -132,10 +133,12 @@ def _rewrite(raw: dict | bool, cls: type, policy: SchemaPolicy, budget: RegexBud
     """
     if raw is True:
         return "{}", []
+    # What no backend enforces, rewritten for all of them where an equivalent schema exists.
+    raw = rewrite_conditionals(json.loads(json.dumps(raw)), DRAFT_YEAR[cls])  # a fresh copy to change
     if policy.form is SchemaForm.AS_WRITTEN:
         if policy.rewrite is None:
             return json.dumps(raw), []
-        return json.dumps(policy.rewrite(json.loads(json.dumps(raw)))), []  # a fresh copy to change
+        return json.dumps(policy.rewrite(raw)), []
     normaliser = Normaliser(raw, cls, budget)
     root_a = normaliser.run()
     lowered = lower_document(root_a, normaliser)
