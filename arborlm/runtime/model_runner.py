@@ -186,8 +186,14 @@ class ModelRunner:
     def forward(self, forward_batch: ForwardBatch) -> LogitsOutput:
         """Run one extend or decode step; logits are float32.
 
-        On rank 0 of several, the other ranks are sent the step first (RuntimeError when one is gone).
+        On rank 0 of several, the other ranks are sent the step first (RuntimeError when one is gone);
+        a forward that then raises leaves the ranks out of step, and the broadcaster is marked failed.
         """
-        if self.step_broadcaster is not None:
-            self.step_broadcaster.send_forward(forward_batch)
-        return self.model.forward(forward_batch)
+        if self.step_broadcaster is None:
+            return self.model.forward(forward_batch)
+        self.step_broadcaster.send_forward(forward_batch)
+        try:
+            return self.model.forward(forward_batch)
+        except Exception as e:
+            self.step_broadcaster.mark_failed(f"rank 0's forward raised {type(e).__name__} midway")
+            raise

@@ -230,6 +230,18 @@ def test_a_rank_failing_to_start_raises_its_error():
     assert "rank 1 exited (code -9)" in silent.first_dead()
 
 
+def test_a_failed_step_stops_rank_0_at_its_next_keep_alive():
+    from arborlm.runtime.distributed.step_sync import StepBroadcaster
+
+    broadcaster = StepBroadcaster(ParallelState())
+    broadcaster.keep_alive()  # nothing wrong: no error
+    broadcaster.mark_failed("rank 0's forward raised ValueError midway")
+    with pytest.raises(RuntimeError, match="cannot go on: rank 0's forward raised ValueError"):
+        broadcaster.keep_alive()
+    with pytest.raises(ValueError, match="tp_rank=1"):
+        StepBroadcaster(ParallelState(tp_rank=1, tp_size=2))
+
+
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
 

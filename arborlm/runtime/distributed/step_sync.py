@@ -104,15 +104,25 @@ class StepBroadcaster:
     """Rank 0's side: sends each step (`send_forward`), keep-alives and the shutdown.
 
     Every method raises RuntimeError (from torch.distributed) when another rank is gone;
-    after that `failed` is True and the server cannot go on (its forwards would hang or fail).
+    after that, or after `mark_failed`, `failure` says why and the server cannot go on: the
+    ranks' collectives would no longer pair (they would hang, or mix one step's data with
+    another's), so `keep_alive` raises and rank 0's process ends (fail-stop).
     """
 
     def __init__(self, parallel: ParallelState):
         if parallel.tp_rank != 0:
             raise ValueError(f"StepBroadcaster runs on rank 0, not tp_rank={parallel.tp_rank}")
         self.parallel = parallel
-        self.failed = False
+        self.failure: str | None = None
         self._last_sent = time.monotonic()
+
+    @property
+    def failed(self) -> bool:
+        return self.failure is not None
+
+    def mark_failed(self, reason: str) -> None:
+        """Record that the group is out of step (e.g. rank 0's forward raised after the broadcast)."""
+        self.failure = self.failure or reason
 
     def send_forward(self, forward_batch: ForwardBatch) -> None:
         """Tell the other ranks to run `forward_batch` (call right before rank 0's own forward)."""
@@ -127,7 +137,7 @@ class StepBroadcaster:
             When an earlier broadcast failed or this one does: a rank is gone.
         """
         if self.failed:
-            raise RuntimeError("a tensor-parallel rank is gone (an earlier broadcast failed)")
+            raise RuntimeError(f"tensor parallelism cannot go on: {self.failure}")
         if time.monotonic() - self._last_sent >= KEEP_ALIVE_S:
             self._send(KeepAlive())
 
@@ -143,8 +153,8 @@ class StepBroadcaster:
     def _send(self, message: StepMessage) -> None:
         try:
             broadcast_object(self.parallel, message)
-        except RuntimeError:
-            self.failed = True
+        except RuntimeError as e:
+            self.mark_failed(f"a broadcast to the other ranks failed ({e})")
             raise
         self._last_sent = time.monotonic()
 

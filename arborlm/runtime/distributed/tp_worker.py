@@ -5,7 +5,8 @@ its K/V heads' pools, sized as rank 0's), reports ready (or the load error) thro
 and loops: receive a `step_sync` message, run the step's forward on its pools, until
 `ShutdownRanks`. Its logits are thrown away (rank 0 samples); only its collectives count.
 When rank 0 is gone the receive fails and the process exits with status 1: the launcher,
-which watches every rank, then stops the server with a clear reason.
+which watches every rank, then stops the server with a clear reason. A forward that raises
+here ends the process too (fail-stop): its collectives could no longer pair with rank 0's.
 """
 
 from __future__ import annotations
