@@ -44,11 +44,22 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class DraftReqState:
-    """The draft's KV of one request: its row and the token at each position of it."""
+    """The draft's KV of one request: its row and the token at each position of it.
+
+    The first ``num_confirmed`` tokens are the request's own (prompt and output);
+    those after them are draft tokens run by a draft decode step, not yet verified.
+    """
 
     req: Req
     row: int
     tokens: list[int] = field(default_factory=list)
+    num_confirmed: int = 0
+
+    def matched_len(self, fill_ids: Sequence[int]) -> int:
+        """Positions whose K/V hold the request's tokens ``fill_ids`` (a request's tokens only
+        grow, so only the unconfirmed tail needs comparing)."""
+        n = min(self.num_confirmed, len(fill_ids))
+        return n + common_prefix_len(self.tokens[n:], fill_ids[n:])
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -101,12 +112,13 @@ class DraftWorker:
             slots = self.req_to_token_pool.req_to_token[state.row, keep : len(state.tokens)]
             self.allocator.free(slots.to(torch.int64))
             del state.tokens[keep:]
+        state.num_confirmed = min(state.num_confirmed, keep)
 
     def trim(self, req: Req) -> None:
         """Keep only the draft KV that matches the request's tokens (frees rejected drafts at once)."""
         state = self.states.get(id(req))
         if state is not None:
-            self.truncate(state, common_prefix_len(state.tokens, req.fill_ids))
+            self.truncate(state, state.matched_len(req.fill_ids))
 
     def release(self, req: Req) -> None:
         """Give the request's draft row and slots back (a no-op when it holds none)."""
@@ -217,7 +229,7 @@ class DraftWorker:
             if state is None:
                 continue
             tokens = req.fill_ids[:n]
-            keep = common_prefix_len(state.tokens, tokens)
+            keep = state.matched_len(tokens)
             if need_logits:
                 keep = min(keep, n - 1)
             self.truncate(state, keep)
@@ -246,6 +258,7 @@ class DraftWorker:
         logits = self._forward(fb, out_cache_loc)
         for _, state, new in plan:
             state.tokens.extend(new)
+            state.num_confirmed = len(state.tokens)
         return [j for j, _, _ in plan], logits
 
     def _decode(self, reqs: list[Req], token_ids: list[int]) -> torch.Tensor | None:
