@@ -110,7 +110,7 @@ def init_parallel_state(tp_rank: int, tp_size: int, nccl_port: int, device: torc
     Raises
     ------
     ValueError
-        For a rank outside 0..tp_size-1.
+        For a rank outside 0..tp_size-1, or fewer CUDA devices than ranks.
     RuntimeError
         From torch.distributed when the rendezvous fails or times out.
     """
@@ -120,7 +120,10 @@ def init_parallel_state(tp_rank: int, tp_size: int, nccl_port: int, device: torc
         return ParallelState(device=device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
-        device = torch.device("cuda", tp_rank % torch.cuda.device_count())
+        num_gpus = torch.cuda.device_count()
+        if tp_size > num_gpus:  # NCCL refuses two ranks on one GPU
+            raise ValueError(f"tp_size={tp_size} needs a CUDA device per rank; {num_gpus} visible")
+        device = torch.device("cuda", tp_rank)
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{nccl_port}", rank=tp_rank,
