@@ -329,21 +329,24 @@ def main() -> None:
 # Keywords that stay refused on every backend (beside the enforced cases of the keyword tests).
 REFUSED_EVERYWHERE = [
     ("uniqueItems over strings", {"type": "array", "items": {"type": "string"}, "uniqueItems": True}),
-    ("if/then/else", {"if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}}),
-    ("contains/minContains", {"type": "array", "contains": {"const": 1}, "minContains": 2}),
-    ("not const", {"not": {"const": 3}}),
-    ("$dynamicRef", {"$dynamicAnchor": "n", "type": "object", "properties": {"c": {"$dynamicRef": "#n"}}}),
+    ("if whose complement is not written (minLength)", {"if": {"minLength": 3}, "then": {"required": ["b"]}}),
+    ("contains on arrays of unbounded length", {"type": "array", "contains": {"const": 1}, "minContains": 2}),
+    ("not of an array const", {"not": {"const": [3]}}),
+    ("$dynamicRef across resources (nested $id)",
+     {"$dynamicAnchor": "n", "type": "object",
+      "properties": {"c": {"$id": "https://example.com/c", "$dynamicRef": "#n"}}}),
     ("remote $ref", {"properties": {"a": {"$ref": "https://example.invalid/s.json"}}}),
 ]
 
 
 def keyword_table(backends: list[str]) -> None:
     """Print, per keyword case, whether each backend's front enforces or refuses it."""
+    from tests.constrained.test_conditionals import EXACT as CONDITIONALS
     from tests.constrained.test_llguidance_keywords import EXACT
 
     print("| case | " + " | ".join(backends) + " |")
     print("|---|" + "---|" * len(backends))
-    for name, schema in [(c[0], c[1]) for c in EXACT] + REFUSED_EVERYWHERE:
+    for name, schema in [(c[0], c[1]) for c in EXACT + CONDITIONALS] + REFUSED_EVERYWHERE:
         row = []
         for backend in backends:
             try:

@@ -1,4 +1,4 @@
-"""``if``/``then``/``else``, bounded ``contains`` and ``$dynamicRef``, rewritten (`conditionals`,
+"""``if``/``then``/``else``, bounded ``contains``, ``not`` of ``const``/``enum`` and ``$dynamicRef``, rewritten (`conditionals`,
 `complement`) and enforced on xgrammar and llguidance.
 
 Proof-style: `complement` is checked against ``jsonschema`` on a pool of values (the
@@ -92,6 +92,10 @@ EXACT = [
     ("contains maxContains, enumerated", CONTAINS_MAX,
      [list(t) for n in range(5) for t in itertools.product([1, 2], repeat=n)]),
     ("contains in a tuple", CONTAINS_TUPLE, [[1, "a", 2], [1, "a"], [1], [], [1, 2, 3]]),
+    ("not const", {"not": {"const": 3}}, [3, 3.0, 2, 4, 2.5, -3, "3", None, True, [3], {}]),
+    ("not enum of strings", {"type": "object", "properties": {"s": {"type": "string", "not": {"enum": ["a", "ab"]}}},
+                             "required": ["s"], "additionalProperties": False},
+     [{"s": v} for v in ["a", "ab", "", "b", "abc", "aa", "ba"]] + [{"s": 1}]),
     ("$dynamicRef at the root", DYNAMIC,
      [{"v": 1}, {"v": 1, "kids": [{"v": 2, "kids": [{"v": 3}]}]}, {"v": 1, "kids": [{"w": 2}]}, {"kids": []},
       {"v": 1, "kids": [{"v": 2}, {"v": 3}, {"v": 4}]}]),

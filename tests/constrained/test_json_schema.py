@@ -287,7 +287,7 @@ def test_format_beside_pattern_is_dropped():
 # lenient mode lists the same string in `dropped` and compiles.
 
 REFUSED = [
-    ({"type": "integer", "not": {"const": 3}}, "not", "/"),
+    ({"type": "integer", "not": {"multipleOf": 3}}, "not", "/"),  # (not of const / enum: `conditionals`)
     (obj({"a": {"if": {"minimum": 0}, "then": {"maximum": 5}}}), "if", "/properties/a"),
     (obj({"tags": {"type": "array", "items": STR, "uniqueItems": True}}), "uniqueItems", "/properties/tags"),
     ({"type": "array", "contains": {"const": 5}}, "contains", "/"),
@@ -323,7 +323,7 @@ def test_refused_keyword_is_named_with_its_path(schema, keyword, path):
 
 
 def test_refusal_lists_every_keyword():
-    schema = obj({"a": {"not": {"enum": [1]}}, "b": {"type": "array", "uniqueItems": True}})
+    schema = obj({"a": {"not": {"enum": [[1]]}}, "b": {"type": "array", "uniqueItems": True}})
     with pytest.raises(GrammarError) as info:
         prepare_json_schema(schema)
     assert "not at /properties/a" in info.value.message and "uniqueItems at /properties/b" in info.value.message

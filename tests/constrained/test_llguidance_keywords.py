@@ -168,7 +168,7 @@ def test_decimal_multiples_are_written_with_the_divisors_fraction_digits(backend
     ({"type": "array", "items": STR, "uniqueItems": True}, "uniqueItems"),
     ({"if": {"minLength": 3}, "then": {"required": ["b"]}}, "if"),  # no complement of minLength: not rewritten
     ({"type": "array", "contains": {"const": 1}, "minContains": 2}, "contains"),
-    ({"not": {"const": 3}}, "not"),
+    ({"not": {"const": [3]}}, "not"),  # of an array: no complement written
     ({"type": "object", "properties": {"a": INT}, "allOf": [{"$ref": "#/$defs/b"}],
       "$defs": {"b": {"properties": {"b": INT}}}, "unevaluatedProperties": False}, "unevaluatedProperties"),
     ({"$dynamicAnchor": "n", "type": "object", "properties": {"c": {"$id": "https://example.com/c",

@@ -28,7 +28,7 @@ AS_WRITTEN_CASES = [
     {"type": "object", "properties": {"z": {"type": "string"}, "a": {"type": "integer"}}, "required": ["z"]},
     {"$schema": D4, "type": "array", "items": [{"type": "integer"}], "additionalItems": False},
     {"type": "array", "items": {"type": "string"}, "uniqueItems": True, "description": "tags"},
-    {"not": {"enum": [1, 2]}},
+    {"not": {"enum": [[1], [2]]}},
 ]
 
 

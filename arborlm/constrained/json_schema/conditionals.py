@@ -1,6 +1,6 @@
 """Keywords no backend enforces, rewritten into equivalent schemas of keywords they do:
 ``if``/``then``/``else``, ``contains``/``minContains``/``maxContains`` on arrays of bounded
-length, and ``$dynamicRef`` in a document of one schema resource.
+length, ``not`` of ``const`` / ``enum``, and ``$dynamicRef`` in a document of one schema resource.
 
 Runs first in `prepare_json_schema`'s rewrite, for every backend's form, on a fresh copy
 of the user's schema; the outputs are still validated against the user's schema as
@@ -17,6 +17,7 @@ backend's own refusal names it (a 400, or dropped when lenient).
   branch a tuple of length n whose positions in P satisfy C and, when M is given, whose
   others satisfy ¬C (so exactly |P| match; without M, "at least m" needs only |P| = m).
   At most `MAX_CONTAINS_BRANCHES` branches.
+- ``not: {const | enum: V}`` (scalars) ≡ `complement`'s schema of every value outside V.
 - ``$dynamicRef`` (2020-12): in a document with no embedded ``$id``, the dynamic scope
   holds one schema resource, so a ``$dynamicRef`` resolves as a ``$ref`` to the same
   fragment (core, 8.2.3.2): each ``$dynamicAnchor`` becomes an ``$anchor`` of the same
@@ -39,6 +40,8 @@ MAX_CONTAINS_BRANCHES = 64
 _ONE = ("additionalItems", "additionalProperties", "contains", "else", "if", "items", "not",
         "propertyNames", "then", "unevaluatedItems", "unevaluatedProperties")
 _LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+# `not` is rewritten only over these (types, `required` and `{}` are the policies' own rewrites).
+_VALUE_KEYWORDS = frozenset({"const", "enum"})
 _NOT_ARRAY = ("boolean", "null", "number", "object", "string")
 _MAP = ("$defs", "definitions", "dependentSchemas", "dependencies", "patternProperties", "properties")
 
@@ -82,7 +85,17 @@ def _walk(node: Any, year: int) -> Any:
         _rewrite_if(node, year)
     if "contains" in node:
         _rewrite_contains(node, year)
+    if isinstance(node.get("not"), dict) and node["not"] and set(node["not"]) <= _VALUE_KEYWORDS:
+        _rewrite_not_values(node, year)
     return node
+
+
+def _rewrite_not_values(node: dict, year: int) -> None:
+    """``not`` of ``const`` / ``enum`` (of scalars) as the positive schema of every other value."""
+    negated = complement(node["not"], year)
+    if negated is not None:
+        del node["not"]
+        _add_branches(node, [negated])
 
 
 def _add_branches(node: dict, branches: list) -> None:
