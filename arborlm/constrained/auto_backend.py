@@ -16,6 +16,7 @@ row, accept its token, roll back and find its forced text.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from arborlm.constrained.base import CompiledGrammar, GrammarBackend, GrammarError, GrammarKey
@@ -30,12 +31,13 @@ class AutoGrammarBackend(GrammarBackend):
     ----------
     tokenizer, vocab_size, eos_token_ids:
         As for every backend (`GrammarBackend`); each backend of
-        `AUTO_BACKEND_ORDER` is built with them (each reads the vocabulary once).
+        `AUTO_BACKEND_ORDER` is built with them when its first key is compiled, so a
+        server whose requests all go to xgrammar never builds llguidance's tokenizer.
 
     Raises
     ------
     ValueError
-        As the backends' constructors (no EOS id, a tokenizer one cannot read).
+        No EOS id (the backends' constructors raise theirs when first built).
     """
 
     name = "auto"
@@ -46,9 +48,25 @@ class AutoGrammarBackend(GrammarBackend):
     compile_in_worker_by_default = False  # as both backends: their compiles are not worth shipping
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]):
-        self.backends: dict[str, GrammarBackend] = {
-            name: backend_class(name)(tokenizer, vocab_size, eos_token_ids) for name in AUTO_BACKEND_ORDER
-        }
+        if not eos_token_ids:
+            raise ValueError("the auto grammar backend needs at least one EOS token id")
+        self._args = (tokenizer, vocab_size, list(eos_token_ids))
+        self._backends: dict[str, GrammarBackend] = {}
+        # Compiles run on the grammar manager's slot threads: one builds a backend, the others wait.
+        self._building = threading.Lock()
+
+    def backend(self, name: str) -> GrammarBackend:
+        """The backend ``name`` of `AUTO_BACKEND_ORDER`, built on first use (each reads the vocabulary once).
+
+        Raises
+        ------
+        ValueError
+            As that backend's constructor.
+        """
+        with self._building:
+            if name not in self._backends:
+                self._backends[name] = backend_class(name)(*self._args)
+            return self._backends[name]
 
     @classmethod
     def check(cls, key: GrammarKey) -> None:
@@ -73,15 +91,15 @@ class AutoGrammarBackend(GrammarBackend):
         GrammarError
             As that backend's ``compile``, or ``key.backend`` is not one of `AUTO_BACKEND_ORDER`.
         """
-        return self.backends[_backend_name(key)].compile(key)
+        return self.backend(_backend_name(key)).compile(key)
 
     def compile_serialized(self, key: GrammarKey) -> Any:
         """Its backend's `compile_serialized` payload (None: compile again in the serving process)."""
-        return self.backends[_backend_name(key)].compile_serialized(key)
+        return self.backend(_backend_name(key)).compile_serialized(key)
 
     def load_compiled(self, key: GrammarKey, payload: Any) -> CompiledGrammar:
         """Its backend's grammar from a `compile_serialized` payload."""
-        return self.backends[_backend_name(key)].load_compiled(key, payload)
+        return self.backend(_backend_name(key)).load_compiled(key, payload)
 
 
 def _backend_name(key: GrammarKey) -> str:

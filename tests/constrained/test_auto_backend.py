@@ -104,10 +104,14 @@ def test_resolved_backend_names_what_compiles_a_key():
 def test_a_key_naming_another_backend_is_a_grammar_error():
     with pytest.raises(GrammarError, match="auto compiles on"):
         AutoGrammarBackend.check(GrammarKey("regex", "a", backend="outlines"))
+    with pytest.raises(ValueError, match="EOS"):
+        AutoGrammarBackend(None, VOCAB_SIZE, [])
 
 
 def test_the_manager_caches_the_same_text_apart_per_backend(tokenizer, eos):
     backend = AutoGrammarBackend(tokenizer, VOCAB_SIZE, [eos])
+    backend.compile(GrammarKey("regex", "a+"))  # no backend named: xgrammar, built on first use
+    assert set(backend._backends) == {"xgrammar"}
     manager = GrammarManager(backend, compile_timeout=60, max_workers=1)
     try:
         waits = [manager.request(GrammarKey("regex", "(yes|no)", backend=name)) for name in ("xgrammar", "llguidance")]
