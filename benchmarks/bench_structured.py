@@ -216,11 +216,13 @@ def validity(model_dir, tokenizer, prompt_ids, backend_name, specs, schemas, max
             for i, sid in enumerate(specs)]
     tokens, finish, _ = run(sched, reqs, f"generate {backend_name}")
     counts = {"valid": 0, "invalid": 0, "length": 0, "abort": 0}
-    invalid = []
+    invalid, aborts = [], Counter()
     for sid in specs:
         kind = finish[sid]["type"]
         if kind != "stop":
             counts["length" if kind == "length" else "abort"] += 1
+            if kind == "abort":
+                aborts[finish[sid].get("message", "")[:60]] += 1
             continue
         text = tokenizer.decode(tokens[sid], skip_special_tokens=True)
         try:
@@ -230,7 +232,7 @@ def validity(model_dir, tokenizer, prompt_ids, backend_name, specs, schemas, max
             counts["invalid"] += 1
             invalid.append((sid, str(e)[:200]))
     mask_us = [t * 1e6 for t in sched.worker.mask_fill_seconds]
-    return counts, invalid, mask_us
+    return counts, invalid, mask_us, dict(aborts.most_common())
 
 
 def throughput(model_dir, tokenizer, prompt_ids, schemas: list[dict], max_new_tokens: int):
@@ -305,7 +307,7 @@ def main() -> None:
         specs, status, compile_times, manager = compile_all(
             backend_name, tokenizer, eos_ids, subsets, args.compile_timeout
         )
-        counts, invalid, mask_us = validity(model_dir, tokenizer, prompt_ids, backend_name, specs, schemas,
+        counts, invalid, mask_us, aborts = validity(model_dir, tokenizer, prompt_ids, backend_name, specs, schemas,
                                             args.max_new_tokens, manager)
         manager.shutdown()
         coverage = {name: sum(status[sid] == "compiled" for sid, _ in items) / len(items)
@@ -315,6 +317,7 @@ def main() -> None:
             "status": status,
             "validity": counts,
             "invalid": invalid,
+            "aborts_by_cause": aborts,
             "compile_s_p50": percentile(compile_times, 50),
             "compile_s_p95": percentile(compile_times, 95),
             "mask_us_p50": percentile(mask_us, 50),
@@ -418,6 +421,9 @@ def print_tables(record: dict, subset_names: list[str]) -> None:
         v = r["validity"]
         print(f"| {b} | {v['valid']} / {v['valid'] + v['invalid']} | {v['length']} | {v['abort']} | "
               f"{r['compile_s_p50']:.3f} / {r['compile_s_p95']:.3f} | {r['mask_us_p50']:.1f} / {r['mask_us_p99']:.1f} |")
+    for b, r in backends.items():
+        causes = ", ".join(f"{k} {n}" for k, n in r["aborts_by_cause"].items())
+        print(f"\n{b}: aborts by cause: {causes or 'none'}; invalid: {r['invalid'][:4] or 'none'}")
     t = record["throughput"]
     base = t["unconstrained"]["tok_per_s"]
     print("\n| batch of JSON requests | output tok/s | vs unconstrained | decode steps | jump-forward tokens |")
