@@ -165,3 +165,17 @@ def test_the_engine_says_which_backend_each_request_used(auto_engine):
         auto_engine.generate("d", {"json_schema": json.dumps({"type": "array", "items": {"type": "string"},
                                                               "uniqueItems": True})})
     assert info.value.param == "json_schema"
+
+
+def test_a_constraint_after_reasoning_goes_to_xgrammar_or_says_it_needs_it():
+    from arborlm.runtime.reasoning_grammar import after_reasoning
+
+    reasoning = {"begin": "<think>", "end": "</think>"}
+    spec = spec_of(EVERYWHERE)
+    combined = after_reasoning(spec, reasoning, resolved_backend(spec.key.backend, "auto"))
+    assert combined.key.kind == "structural_tag" and resolved_backend(combined.key.backend, "auto") == "xgrammar"
+    AutoGrammarBackend.check(combined.key)
+    spec = spec_of(ONLY_LLGUIDANCE)
+    with pytest.raises(GrammarError, match="xgrammar") as info:
+        after_reasoning(spec, reasoning, resolved_backend(spec.key.backend, "auto"))
+    assert info.value.param == "json_schema"
