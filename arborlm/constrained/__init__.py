@@ -14,7 +14,8 @@ tokens a grammar forces.
 
 Backends behind one interface (`base.GrammarBackend`): `xgrammar_backend`
 (the default), `llguidance_backend` (its grammar texts in `llguidance_grammar`)
-and `outlines_backend`; `structural_tags` reads the legacy structural-tag form
+and `outlines_backend`; `auto_backend` compiles each key on the backend the front chose
+for it (``grammar_backend="auto"``: xgrammar, else llguidance); `structural_tags` reads the legacy structural-tag form
 for both backends that take tags; `registry` holds their names (the one
 list the config checks, importing neither torch nor a grammar library) and
 imports a backend's class on first use. `grammar_analysis` finds rules of an
