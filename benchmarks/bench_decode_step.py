@@ -27,7 +27,10 @@ bytes the step's attention reads) / bandwidth. One mixed step (a `--prompt-len` 
 beside a running batch of 8) is timed the same way. With ``--baseline onednn`` each round
 also times a bare step whose linear layers run on oneDNN where they would take the AVX-512
 BF16 kernel (`kernels/linear_avx512.py`), interleaved, so that kernel's effect is a ratio
-within one run. Results: docs/decode_step.md.
+within one run; with ``--baseline unfused``, bare steps whose decoder layers run module by
+module instead of as one native call each (`kernels/fused_decoder_layer.py`). Where a
+layer takes the fused call its modules' hooks do not fire: its whole time is the
+``fused layers`` part. Results: docs/decode_step.md.
 
     flock /tmp/arborlm-timing.lock .venv/bin/python benchmarks/bench_decode_step.py \\
         --markdown-out benchmarks/results/decode_step.md
@@ -61,7 +64,7 @@ from arborlm.sampling_params import SamplingParams
 # Parts in the order of a step, as the table prints them.
 PARTS = (
     "schedule", "forward_batch", "embed", "norms", "qkv_proj", "rotary+glue", "attention", "o_proj",
-    "gate_up_proj", "act", "down_proj", "layer glue", "logits", "model other", "grammar mask",
+    "gate_up_proj", "act", "down_proj", "layer glue", "fused layers", "logits", "model other", "grammar mask",
     "sampling setup", "sampling", "output processing", "zmq", "detokenization",
 )
 MODEL_PARTS = PARTS[PARTS.index("embed") : PARTS.index("model other") + 1]
@@ -211,6 +214,8 @@ def derive_parts(raw: dict[str, float], counts: dict[str, int], outside_s: float
     out["act"] = p["_mlp"] - p["gate_up_proj"] - p["down_proj"] - outside_s * (n["gate_up_proj"] + n["down_proj"])
     out["layer glue"] = p["_layer"] - p["_self_attn"] - p["_mlp"] - p["norms"]
     out["layer glue"] -= outside_s * (n["_self_attn"] + n["_mlp"] + n["norms"])
+    if n["_layer"] and not n["_self_attn"]:  # every layer took the fused call: no module hooks fired
+        out["fused layers"], out["layer glue"] = out["layer glue"], 0.0
     out["logits"] = p["_lm_head"] + p["_final_norm"]
     out["model other"] = p["_forward"] - p["_layer"] - p["embed"] - out["logits"]
     out["model other"] -= outside_s * (n["_model_body"] + n["_layer"] + n["embed"] + n["_lm_head"] + n["_final_norm"])
@@ -320,14 +325,26 @@ def timed_step(scheduler: Scheduler, front: FrontSide) -> float:
 
 @dataclass
 class Baseline:
-    """The linear layers on oneDNN where they would take `linear_avx512`'s kernel: the
-    same run's baseline for that kernel (`--baseline onednn`)."""
+    """The same run's baseline path: `onednn`, the linear layers on oneDNN where they would
+    take `linear_avx512`'s kernel; `unfused`, the decoder layers module by module where
+    they would take the fused call (`runtime/layers/fused_decode.py`)."""
 
     model: torch.nn.Module
+    kind: str = "onednn"
     bare: list[float] = field(default_factory=list)
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
+        if self.kind == "unfused":
+            fused = self.model.model.fused_decode
+            if fused is None:
+                raise RuntimeError("--baseline unfused: this model has no fused decode path (no native kernels)")
+            fused.enabled = False
+            try:
+                yield
+            finally:
+                fused.enabled = True
+            return
         from arborlm.kernels.linear_avx512 import Avx512Weight
 
         swapped = [m for m in self.model.modules() if isinstance(getattr(m, "packed_weight", None), Avx512Weight)]
@@ -387,7 +404,7 @@ def bench_decode(scheduler: Scheduler, front: FrontSide, batch: int, args, param
     timer, bare = PartTimer(), []
     timer.calibrate()
     seq_lens = [r.seqlen for r in scheduler.running]
-    baseline = Baseline(scheduler.model_runner.model) if args.baseline == "onednn" else None
+    baseline = Baseline(scheduler.model_runner.model, args.baseline) if args.baseline != "none" else None
     run_steps(scheduler, front, args.steps, timer, bare, baseline)
     drain(scheduler)
     return summarise(scheduler, f"decode, batch {batch}", timer, bare, seq_lens, baseline)
@@ -402,7 +419,7 @@ def bench_mixed(scheduler: Scheduler, front: FrontSide, args, params: dict) -> d
     timer, bare = PartTimer(), []
     timer.calibrate()
     seq_lens = [r.seqlen for r in scheduler.running] + [args.prompt_len]
-    baseline = Baseline(scheduler.model_runner.model) if args.baseline == "onednn" else None
+    baseline = Baseline(scheduler.model_runner.model, args.baseline) if args.baseline != "none" else None
     kinds = ["bare", "baseline", "instrumented"] if baseline is not None else ["bare", "instrumented"]
     for j in range(args.steps):
         for k, kind in enumerate(kinds):
@@ -439,6 +456,10 @@ def summarise(scheduler: Scheduler, name: str, timer: PartTimer, bare: list[floa
     }
 
 
+# --baseline -> (what its row says, the ratio's name)
+BASELINE_LABELS = {"onednn": ("linears on oneDNN", "oneDNN"), "unfused": ("decoder layers unfused", "unfused")}
+
+
 def markdown(results: list[dict], bandwidth_gbs: float, weight_bytes: int, meta: dict) -> str:
     lines = [
         f"Copy bandwidth (read + write): **{bandwidth_gbs:.1f} GB/s**; weights read per step: "
@@ -467,9 +488,10 @@ def markdown(results: list[dict], bandwidth_gbs: float, weight_bytes: int, meta:
     lines.append("| **bare step / floor** | " + " | ".join(
         f"{r['bare_step_s'] / f:.2f}x" for r, f in zip(results, floors)) + " |")
     if results and results[0]["baseline_bare_step_s"] is not None:
-        lines.append("| step, bare, linears on oneDNN (interleaved) | " + " | ".join(
+        label, short = BASELINE_LABELS[meta["baseline"]]
+        lines.append(f"| step, bare, {label} (interleaved) | " + " | ".join(
             f"{r['baseline_bare_step_s'] * 1e3:.2f}" for r in results) + " |")
-        lines.append("| **bare step / oneDNN step** | " + " | ".join(
+        lines.append(f"| **bare step / {short} step** | " + " | ".join(
             f"{r['bare_step_s'] / r['baseline_bare_step_s']:.2f}x" for r in results) + " |")
     return "\n".join(lines) + "\n"
 
@@ -486,9 +508,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (as bench_serving's default)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--no-mixed", action="store_true", help="skip the mixed prefill step")
-    ap.add_argument("--baseline", choices=["none", "onednn"], default="none",
+    ap.add_argument("--baseline", choices=["none", "onednn", "unfused"], default="none",
                     help="onednn: also time, interleaved, bare steps with the linears on oneDNN "
-                         "where they take the AVX-512 kernel (kernels/linear_avx512.py)")
+                         "where they take the AVX-512 kernel (kernels/linear_avx512.py); unfused: "
+                         "with the decoder layers module by module where they take the fused call")
     ap.add_argument("--markdown-out", type=Path, default=None)
     ap.add_argument("--json-out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -514,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         front.close()
     weights = weight_bytes_per_step(scheduler.model_runner.model)
     meta = {"dtype": args.dtype, "threads": torch.get_num_threads(), "prompt_len": args.prompt_len,
-            "temperature": args.temperature, "top_p": args.top_p, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+            "temperature": args.temperature, "top_p": args.top_p, "baseline": args.baseline, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     table = markdown(results, bandwidth, weights, meta)
     print(table)
     if args.markdown_out:
