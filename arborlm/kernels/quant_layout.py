@@ -298,21 +298,19 @@ def cat_rows(weights: Sequence[QuantWeight]) -> QuantWeight:
 
 
 INT4_GROUP_SIZES = (32, 128)  # values per int4 group: the kernels' block, or four of them
-# Range shrink factors tried per group (`quantize_groupwise_int4`): 1 is plain min / max.
-_INT4_RANGE_SHRINK = (1.0, 0.95, 0.9, 0.85, 0.8)
 
 
 def quantize_groupwise_int4(weight: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, ...]:
     """Asymmetric group-wise 4-bit quantization of a float weight:
     `weight[r, j] ~ q[r, j] * scale[r, g] + minimum[r, g]` with g = j // group_size.
 
-    Each group's range [lo, hi] is its min and max, shrunk about its centre by the factor of
-    `_INT4_RANGE_SHRINK` that gives the least squared error (a grid search in the spirit of
-    AWQ's clipping search and of llama.cpp's `make_qkx2_quants`, which likewise trades clipped
-    outliers for finer steps); then scale = (hi - lo) / 15 and minimum = lo, both rounded to
-    fp16 (the kernels read fp16), and q = round((w - minimum) / scale) in [0, 15] against the
-    rounded values. This is ggml's Q4_1 math with a group of `group_size` values (the zero
-    point is the float minimum, as HQQ's and torchao's float zero-point domain).
+    Per group, scale = (max - min) / 15 and minimum = min, both rounded to fp16 (the kernels
+    read fp16), and q = round((w - minimum) / scale) in [0, 15] against the rounded values:
+    ggml's Q4_1 rule (`quantize_row_q4_1_ref`) with a group of `group_size` values (the zero
+    point is the float minimum, as in HQQ's and torchao's float zero-point domain). A search
+    for the range of least squared error per group (AWQ-style clipping) was tried and dropped:
+    on the default model it gave perplexity 1.059x of bf16 against 1.047x for plain min / max
+    (docs/kernels.md).
 
     Parameters
     ----------
@@ -340,29 +338,11 @@ def quantize_groupwise_int4(weight: torch.Tensor, group_size: int = 32) -> tuple
     n, k = weight.shape
     w = weight.detach().float().reshape(n, k // group_size, group_size)
     lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-    centre, half = (hi + lo) / 2, (hi - lo) / 2
-    best = None
-    for shrink in _INT4_RANGE_SHRINK:
-        candidate = _int4_round(w, centre - half * shrink, centre + half * shrink)
-        if best is None:
-            best = candidate
-        else:
-            better = candidate[3] < best[3]
-            best = tuple(torch.where(better.unsqueeze(-1) if c.dim() == 3 else better, c, b)
-                         for c, b in zip(candidate, best))
-    q, scale, minimum, _ = best
-    return q.reshape(n, k).to(torch.uint8), scale, minimum
-
-
-def _int4_round(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """w (n, groups, size) rounded to 4 bits over [lo, hi] per group: (q, scale, minimum, squared error)."""
     scale = ((hi - lo) / 15).to(torch.float16)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     minimum = lo.to(torch.float16)
-    s, m = scale.float().unsqueeze(-1), minimum.float().unsqueeze(-1)
-    q = torch.round((w - m) / s).clamp_(0, 15)
-    error = ((q * s + m - w) ** 2).sum(dim=-1)
-    return q, scale, minimum, error
+    q = torch.round((w - minimum.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).clamp_(0, 15)
+    return q.reshape(n, k).to(torch.uint8), scale, minimum
 
 
 def pack_int4_groupwise(weight: torch.Tensor, group_size: int = 32) -> QuantWeight:

@@ -2,7 +2,7 @@
 its Q4_1 packing and the kernels that serve it.
 
 The quantizer's output is held to its definition (q in [0, 15], q * scale + minimum within half
-a step of each value inside the chosen range, never worse than plain min / max rounding); the
+a step of each value, the range each group's min / max); the
 packed weight dequantizes to exactly q * scale + minimum for group 32 and 128; the C++ decode
 kernel equals `quant_reference.int8_linear`'s emulation to float rounding and the float matmul
 over the dequantized weight to int8-activation noise, for 1, 8 and 33 rows and odd output
@@ -44,15 +44,12 @@ def test_quantizer_rounds_each_group_to_16_levels(shape, group_size):
     inside = (w >= m - 1e-6) & (w <= m + 15 * s + 1e-6)  # values the range did not clip
     assert bool(((rebuilt - w).abs()[inside] <= s[inside] / 2 * (1 + 1e-3) + 1e-6).all())
     torch.testing.assert_close(rebuilt[1], torch.full((shape[1],), 0.25), atol=1e-3, rtol=0)  # a constant row
-    # The range search never loses to plain min / max rounding, group by group.
-    plain_s = ((w.reshape(shape[0], groups, -1).amax(-1) - w.reshape(shape[0], groups, -1).amin(-1)) / 15).half()
-    plain_s = torch.where(plain_s > 0, plain_s, torch.ones_like(plain_s))
-    plain_m = w.reshape(shape[0], groups, -1).amin(-1).half()
-    ps, pm = groupwise(plain_s, group_size), groupwise(plain_m, group_size)
-    plain = torch.round((w - pm) / ps).clamp(0, 15) * ps + pm
-    err = ((rebuilt - w) ** 2).reshape(shape[0], groups, -1).sum(-1)
-    plain_err = ((plain - w) ** 2).reshape(shape[0], groups, -1).sum(-1)
-    assert bool((err <= plain_err * (1 + 1e-5) + 1e-9).all())
+    # the range is each group's min / max: its extremes are exact up to fp16 rounding
+    groups_w = w.reshape(shape[0], groups, -1)
+    torch.testing.assert_close(minimum.float(), groups_w.amin(-1), atol=1e-3, rtol=1e-3)
+    spread = groups_w.amax(-1) > groups_w.amin(-1)  # a constant group has scale 1
+    top = minimum.float() + 15 * scale.float()
+    torch.testing.assert_close(top[spread], groups_w.amax(-1)[spread], atol=2e-2, rtol=2e-3)
 
 
 @pytest.mark.parametrize("group_size", [32, 128])
