@@ -302,6 +302,10 @@ def main() -> None:
     glaive = [s for _, s in subsets["Glaiveai2K"]][: args.batch]
     glaive += [s for _, s in subsets["Github_easy"]][: args.batch - len(glaive)]
     record["throughput"] = throughput(model_dir, tokenizer, prompt_ids, glaive, args.max_new_tokens)
+    # Written at once, so that a run cut short later keeps the throughput it measured.
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "structured.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps(record["throughput"]), flush=True)
 
     for backend_name in args.backends.split(","):
         specs, status, compile_times, manager = compile_all(
