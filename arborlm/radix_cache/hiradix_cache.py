@@ -356,10 +356,11 @@ class HiRadixCache(RadixCache):
         assert len(host_slots) == self._host_size, f"host size {len(host_slots)} != {self._host_size}"
         assert len(set(host_slots)) == len(host_slots), "a host slot is held twice by the tree"
         self.host_pool.check_invariants()
-        free = set(self.host_pool.allocator.free_slots.tolist())
-        assert not free.intersection(host_slots), "a host slot held by the tree is also free"
-        assert len(free) + self._host_size == self.host_pool.size, (
-            f"host slots leaked: {len(free)} free + {self._host_size} held != {self.host_pool.size}"
+        free = self.host_pool.available_size()
+        held = torch.tensor(host_slots, dtype=torch.int64)
+        assert not self.host_pool.allocator.is_free(held).any(), "a host slot held by the tree is also free"
+        assert free + self._host_size == self.host_pool.size, (
+            f"host slots leaked: {free} free + {self._host_size} held != {self.host_pool.size}"
         )
 
     def info(self) -> dict[str, int]:

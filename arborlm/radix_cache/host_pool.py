@@ -14,7 +14,10 @@ live in one of:
   larger than RAM, the OS page cache keeping its hot part in memory.
 
 Slot 0 is never handed out, as in the device pool. Slots are (n,) int64 CPU
-tensors; sizes are in tokens.
+tensors; sizes are in tokens. The free list is lazy (`HostSlotAllocator`): a
+tier of billions of slots costs no per-token array in RAM until its slots are
+used and given back. `host_memory_available_bytes` and `shutil.disk_usage` are
+what the caller checks a tier's size against before building one.
 """
 
 from __future__ import annotations
@@ -24,10 +27,73 @@ import tempfile
 
 import torch
 
-from arborlm.radix_cache.memory_pool import TokenToKVPool, TokenToKVPoolAllocator
+from arborlm.radix_cache.memory_pool import TokenToKVPool
 
 # Where the tier lives (`--hicache-storage-backend`): host memory, or a memory-mapped file.
 HOST_STORAGE_BACKENDS = ("file",)
+
+
+def host_memory_available_bytes() -> int:
+    """Memory the kernel can give this process without swapping (MemAvailable), in bytes.
+
+    Falls back to free physical pages where /proc/meminfo is not readable."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def host_file_dir(file_dir: str | None = None) -> str:
+    """The directory the file backend's mapping is created in."""
+    return file_dir or tempfile.gettempdir()
+
+
+class HostSlotAllocator:
+    """Free host slots `1..size` without a per-slot array: slots never handed out are the
+    range `[next_fresh, size]`, slots given back a list (SGLang keeps a full free list; a
+    file-backed tier may be far larger than RAM, and its free list with it)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.clear()
+
+    def clear(self) -> None:
+        self.next_fresh = 1  # the first slot never handed out
+        self.returned = torch.empty(0, dtype=torch.int64)
+
+    def available_size(self) -> int:
+        """Free slots, in tokens."""
+        return int(self.returned.numel()) + self.size + 1 - self.next_fresh
+
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        """Take `need_size` slots: (need_size,) int64 (given-back ones first), or None when too few are free."""
+        if need_size > self.available_size():
+            return None
+        taken, self.returned = self.returned[:need_size], self.returned[need_size:]
+        fresh = need_size - taken.numel()
+        if fresh:
+            taken = torch.cat([taken, torch.arange(self.next_fresh, self.next_fresh + fresh, dtype=torch.int64)])
+            self.next_fresh += fresh
+        return taken
+
+    def free(self, indices: torch.Tensor) -> None:
+        """Give slots back. `indices`: (n,) integer tensor of slots taken from `alloc`."""
+        if indices.numel():
+            self.returned = torch.cat([self.returned, indices.to("cpu", torch.int64)])
+
+    def is_free(self, slots: torch.Tensor) -> torch.Tensor:
+        """(n,) bool: which of `slots` ((n,) int64) are free."""
+        return (slots >= self.next_fresh) | torch.isin(slots, self.returned)
+
+    def check_invariants(self) -> None:
+        """Assert that no slot is free twice and that slot 0 is never free."""
+        values = self.returned.tolist()
+        assert len(set(values)) == len(values), "host slot freed twice"
+        assert all(1 <= v < self.next_fresh for v in values), "host slot out of range"
 
 
 def _as_bytes(buffer: torch.Tensor) -> torch.Tensor:
@@ -45,7 +111,7 @@ class HostKVPool:
     num_layers, num_kv_heads, head_dim, dtype: the device pool's shape and dtype.
     pin_memory: page-lock the buffers (when the device pool is on CUDA).
     storage_backend: None (host memory) or "file" (a memory-mapped temporary file
-        in `file_dir`, default `tempfile.gettempdir()`; unlinked at once, so
+        in `host_file_dir(file_dir)`; unlinked at once, so
         nothing is left behind when the process ends).
 
     Raises
@@ -74,7 +140,7 @@ class HostKVPool:
         self.size = size
         self.dtype = dtype
         self.storage_backend = storage_backend
-        self.allocator = TokenToKVPoolAllocator(size)
+        self.allocator = HostSlotAllocator(size)
         shape = (num_layers, size + 1, num_kv_heads, head_dim)
         if storage_backend == "file":
             self.k_buffer, self.v_buffer = (self._mapped(shape, dtype, file_dir) for _ in range(2))
@@ -89,7 +155,7 @@ class HostKVPool:
     def _mapped(shape: tuple[int, ...], dtype: torch.dtype, file_dir: str | None) -> torch.Tensor:
         """A zero-filled tensor backed by a shared memory mapping of a fresh temporary file."""
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        fd, path = tempfile.mkstemp(prefix="arborlm-hicache-", suffix=".kv", dir=file_dir)
+        fd, path = tempfile.mkstemp(prefix="arborlm-hicache-", suffix=".kv", dir=host_file_dir(file_dir))
         try:
             os.ftruncate(fd, nbytes)  # sparse: blocks are allocated as slots are written
             mapped = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)

@@ -17,12 +17,13 @@ host-tier prefix back into the pool when it is admitted.
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 
 import torch
 
 from arborlm.radix_cache.hiradix_cache import HiRadixCache
-from arborlm.radix_cache.host_pool import HostKVPool
+from arborlm.radix_cache.host_pool import HostKVPool, host_file_dir, host_memory_available_bytes
 from arborlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from arborlm.radix_cache.radix_cache import MatchResult, RadixCache
 from arborlm.runtime.config import CacheConfig
@@ -37,16 +38,42 @@ def make_host_pool(cache: CacheConfig, kv_pool: TokenToKVPool) -> HostKVPool | N
 
     Sized as SGLang sizes it: `hicache_size` GB (10^9 bytes) of K/V when set, else
     `hicache_ratio` times the device pool's tokens; at least one token.
+
+    Raises
+    ------
+    ValueError
+        Naming `hicache_size` (or `hicache_ratio`) when the tier is larger than the
+        host memory available (MemAvailable) or, with the file backend, than the free
+        disk space of the file's directory: checked before anything is allocated.
     """
     if not cache.enable_hierarchical_cache:
         return None
+    per_token = TokenToKVPool.bytes_per_token(kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim,
+                                              kv_pool.dtype)
     if cache.hicache_size > 0:
-        per_token = TokenToKVPool.bytes_per_token(kv_pool.num_layers, kv_pool.num_kv_heads, kv_pool.head_dim,
-                                                  kv_pool.dtype)
         size = int(cache.hicache_size * 10**9 // per_token)
     else:
         size = int(kv_pool.size * cache.hicache_ratio)
-    return HostKVPool.for_device_pool(kv_pool, max(1, size), cache.hicache_storage_backend)
+    size = max(1, size)
+    _check_host_room(cache, (size + 1) * per_token)
+    return HostKVPool.for_device_pool(kv_pool, size, cache.hicache_storage_backend)
+
+
+def _check_host_room(cache: CacheConfig, tier_bytes: int) -> None:
+    """Refuse, naming the argument that sized it, a host tier of `tier_bytes` that does not fit."""
+    if cache.hicache_storage_backend == "file":
+        where = host_file_dir()
+        room, what = shutil.disk_usage(where).free, f"free disk space in {where}"
+    else:
+        room, what = host_memory_available_bytes(), "host memory available"
+    if tier_bytes <= room:
+        return
+    name, value = (("hicache_size", cache.hicache_size) if cache.hicache_size > 0
+                   else ("hicache_ratio", cache.hicache_ratio))
+    raise ValueError(
+        f"{name}={value!r} is invalid: the host KV tier would take {tier_bytes / 1e9:.1f} GB, more than the "
+        f"{room / 1e9:.1f} GB of {what}"
+    )
 
 
 def step_tokens(reqs: list[Req]) -> int:

@@ -18,6 +18,7 @@ import torch
 
 from arborlm.entrypoints.metrics import ServerMetrics
 from arborlm.radix_cache.hiradix_cache import HiRadixCache
+from arborlm.radix_cache.host_pool import HostSlotAllocator
 from arborlm.radix_cache.memory_pool import TokenToKVPool
 from arborlm.runtime.config import CacheConfig, ServerArgs
 from arborlm.runtime.kv_manager import make_host_pool
@@ -237,3 +238,28 @@ def test_tier_hit_rates_reach_metrics():
         assert f'{prefix}:hicache_loaded_back_tokens_total{{model_name="tiny"}} ' \
                f'{float(info["hicache_loaded_back_tokens"])}' in text
     assert info["hicache_loaded_back_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "room"),
+    [
+        ({"hicache_size": 100000}, "hicache_size", "host memory available"),
+        ({"hicache_ratio": 1e12}, "hicache_ratio", "host memory available"),
+        ({"hicache_size": 100000, "hicache_storage_backend": "file"}, "hicache_size", "free disk space"),
+    ],
+)
+def test_a_host_tier_larger_than_the_machine_is_refused_by_name(kwargs, field, room):
+    kv_pool = TokenToKVPool(8, 32, 8, 128, torch.float32)
+    with pytest.raises(ValueError, match=f"{field}=.*{room}"):
+        make_host_pool(CacheConfig(enable_hierarchical_cache=True, **kwargs), kv_pool)
+
+
+def test_the_host_free_list_is_lazy():
+    allocator = HostSlotAllocator(10**12)  # a free list of 8 TB if it were an array
+    assert allocator.returned.numel() == 0 and allocator.available_size() == 10**12
+    taken = allocator.alloc(3)
+    assert taken.tolist() == [1, 2, 3] and allocator.available_size() == 10**12 - 3
+    allocator.free(taken[1:2])
+    assert allocator.alloc(2).tolist() == [2, 4]
+    assert allocator.is_free(torch.tensor([1, 2, 3, 4, 5])).tolist() == [False, False, False, False, True]
+    allocator.check_invariants()
