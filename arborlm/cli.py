@@ -15,6 +15,7 @@ file together are an error.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import typing
 from dataclasses import MISSING, Field, fields
@@ -22,7 +23,9 @@ from typing import Any
 
 from arborlm.envs import ENVS, Envs
 from arborlm.errors import ArborError
-from arborlm.runtime.config import ServerArgs
+from arborlm.runtime.config import ServerArgs, ignored_options
+
+logger = logging.getLogger("arborlm.server")
 
 # Extra spellings: SGLang's `--model-path` is also `--model`.
 ALIASES = {"model_path": ["--model"]}
@@ -134,9 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         from arborlm.entrypoints.data_parallel import launch_data_parallel
         from arborlm.entrypoints.launch_server import configure_logging, launch_server
 
+        configure_logging(server_args.server.log_level)
+        for message in ignored_options(server_args):
+            logger.warning(message)
         try:
             if server_args.parallel.dp_size > 1:
-                configure_logging(server_args.server.log_level)
                 launch_data_parallel(server_args)
             else:
                 launch_server(server_args)

@@ -551,6 +551,30 @@ def _check_tensor_parallel(args: ServerArgs) -> None:
         _check(ok, name, value, f"{expected} with tp_size={tp}")
 
 
+# Options that only act with another one: (concern, field, the concern's field it needs, what it needs).
+_DEPENDENT_OPTIONS = (
+    ("parallel", "router_policy", "dp_size > 1", lambda args: args.parallel.dp_size > 1),
+    *(("cache", name, "enable_hierarchical_cache", lambda args: args.cache.enable_hierarchical_cache)
+      for name in ("hicache_size", "hicache_ratio", "hicache_storage_backend")),
+)
+
+
+def ignored_options(args: ServerArgs) -> list[str]:
+    """One message per option set away from its default that has no effect, because the
+    option it needs is not set (`router_policy` without `dp_size > 1`, a `hicache_*`
+    option without `enable_hierarchical_cache`). SGLang warns in such cases; the CLI logs these.
+    """
+    messages = []
+    for concern, name, needs, active in _DEPENDENT_OPTIONS:
+        config = getattr(args, concern)
+        default = next(f.default for f in fields(config) if f.name == name)
+        value = getattr(config, name)
+        if value != default and not active(args):
+            flag = "--" + needs.split()[0].replace("_", "-")
+            messages.append(f"{name}={value!r} is ignored: it needs {needs} ({flag})")
+    return messages
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     """All runtime settings, one concern per member."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from arborlm.entrypoints.engine import Engine
-from arborlm.runtime.config import ServerArgs
+from arborlm.runtime.config import ServerArgs, ignored_options
 
 
 @pytest.mark.parametrize(("kwargs", "expected"), [
@@ -31,3 +31,22 @@ def test_engine_model_path_keyword_is_the_checkpoint_loaded(tmp_path):
 
     with pytest.raises((ModelLoadError, ValueError, OSError)):
         Engine(model_path=str(tmp_path / "no-such-model"))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"router_policy": "round_robin"}, ["router_policy='round_robin' is ignored: it needs dp_size > 1 (--dp-size)"]),
+        ({"router_policy": "round_robin", "dp_size": 2}, []),
+        ({"hicache_size": 4}, ["hicache_size=4 is ignored: it needs enable_hierarchical_cache "
+                               "(--enable-hierarchical-cache)"]),
+        ({"hicache_ratio": 3.0, "hicache_storage_backend": "file"},
+         ["hicache_ratio=3.0 is ignored: it needs enable_hierarchical_cache (--enable-hierarchical-cache)",
+          "hicache_storage_backend='file' is ignored: it needs enable_hierarchical_cache "
+          "(--enable-hierarchical-cache)"]),
+        ({"hicache_size": 4, "enable_hierarchical_cache": True}, []),
+        ({}, []),
+    ],
+)
+def test_options_without_the_option_they_need_are_named(kwargs, expected):
+    assert ignored_options(ServerArgs.from_kwargs(**kwargs)) == expected
