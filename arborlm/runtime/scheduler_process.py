@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import signal
 import threading
 import traceback
 from collections.abc import Callable
@@ -51,7 +52,12 @@ class PortArgs:
 
 
 def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, ready_conn) -> None:
-    """Process entry: build the scheduler, report readiness, loop until shutdown."""
+    """Process entry: build the scheduler, report readiness, loop until shutdown.
+
+    SIGINT is ignored: Ctrl-C reaches the whole process group, and the parent, which
+    handles it, stops this process (`Shutdown`, or a kill after its timeout); a
+    KeyboardInterrupt here would only print a traceback from wherever the loop was."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=server_args.server.log_level.upper(), format="%(asctime)s scheduler %(message)s")
     parent = os.getppid()
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import traceback
 
 from arborlm.runtime.config import ServerArgs
@@ -24,7 +25,10 @@ PEER_LOST_EXIT_CODE = 1
 
 
 def run_tp_worker_process(server_args: ServerArgs, tp_rank: int, nccl_port: int, ready_conn) -> None:
-    """Process entry of rank `tp_rank` (> 0); returns (exit 0) on `ShutdownRanks`."""
+    """Process entry of rank `tp_rank` (> 0); returns (exit 0) on `ShutdownRanks`.
+
+    SIGINT is ignored, as in the scheduler process: rank 0 stops this rank."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=server_args.server.log_level.upper(),
                         format=f"%(asctime)s tp{tp_rank} %(message)s")
     from arborlm.runtime.distributed.parallel_state import (
