@@ -230,6 +230,15 @@ def test_a_rank_failing_to_start_raises_its_error():
     assert "rank 1 exited (code -9)" in silent.first_dead()
 
 
+def test_the_rank_killed_by_a_signal_is_named_before_its_peers():
+    # Rank 2 killed: rank 1 exits in its wake (code 1) and may be seen first.
+    workers = TpWorkers(nccl_port=1, processes=[_FakeRank(False, 1), _FakeRank(False, -9), _FakeRank(True)])
+    assert workers.first_dead().startswith("tensor-parallel rank 2 exited (code -9)")
+    exited = TpWorkers(nccl_port=1, processes=[_FakeRank(True), _FakeRank(False, 1), _FakeRank(False, 1)])
+    assert exited.first_dead().startswith("tensor-parallel rank 2 exited (code 1)")
+    assert TpWorkers(nccl_port=1, processes=[_FakeRank(True)]).first_dead() is None
+
+
 def test_a_failed_step_stops_rank_0_at_its_next_keep_alive():
     from arborlm.runtime.distributed.step_sync import StepBroadcaster
 
@@ -272,7 +281,7 @@ def test_tp2_greedy_equals_tp1_token_for_token(tiny_llama_dir):
         (rank1,) = tp2._scheduler.tp_workers.processes
         os.kill(rank1.pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
-        with pytest.raises(EngineDeadError, match="tensor-parallel rank 1 exited"):
+        with pytest.raises(EngineDeadError, match=r"tensor-parallel rank 1 exited \(code -9\)"):
             while time.monotonic() < deadline:
                 out = tp2.generate(PROMPTS[0], GREEDY)  # a request already at the scheduler fails alone
                 assert out["meta_info"]["finish_reason"]["type"] == "abort"

@@ -52,11 +52,18 @@ class TpWorkers:
                 _raise_start_error(rank, msg, process)
 
     def first_dead(self) -> str | None:
-        """Why a rank is gone, in words, or None while all run."""
-        for rank, process in enumerate(self.processes, start=1):
-            if not process.is_alive():
-                return f"tensor-parallel rank {rank} exited (code {process.exitcode}); the server cannot go on"
-        return None
+        """Why a rank is gone, in words, or None while all run.
+
+        Every rank is looked at once one is seen dead, and a rank killed by a signal
+        (negative exit code) is named before one that exited: a killed rank breaks the
+        group's collective and its peers then exit with `PEER_LOST_EXIT_CODE`, possibly
+        seen first."""
+        dead = [(rank, process.exitcode) for rank, process in enumerate(self.processes, start=1)
+                if not process.is_alive()]
+        if not dead:
+            return None
+        rank, code = next(((r, c) for r, c in dead if c is not None and c < 0), dead[0])
+        return f"tensor-parallel rank {rank} exited (code {code}); the server cannot go on"
 
     def stop(self, timeout_s: float) -> None:
         """Wait for the ranks to exit (rank 0 told them to), killing any still running after `timeout_s`."""
