@@ -51,6 +51,13 @@ class _Server(uvicorn.Server):
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    def handle_exit(self, sig: int, frame) -> None:
+        """A signal begins the stop: a scheduler that the same SIGTERM killed (a cgroup kill)
+        is then a clean stop, not a dead scheduler (exit 0)."""
+        if self.arbor_state.scheduler is not None:
+            self.arbor_state.scheduler.begin_stop()
+        super().handle_exit(sig, frame)
+
     async def on_tick(self, counter: int) -> bool:
         """Also stop when the scheduler process died (every waiting request has failed by then)."""
         manager = self.arbor_state.manager

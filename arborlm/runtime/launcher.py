@@ -21,6 +21,7 @@ import contextlib
 import logging
 import multiprocessing as mp
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -41,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 SCHEDULER_START_TIMEOUT_S = 900.0
 MONITOR_INTERVAL_S = 1.0
+# A child killed by SIGTERM waits this long for the parent's own shutdown (`begin_stop`) before it
+# is reported: `timeout` and systemd's cgroup kill send SIGTERM to every process at once.
+SIGTERM_GRACE_S = 2.0
 STOP_TIMEOUT_S = 10.0
 
 
@@ -101,6 +105,8 @@ class SchedulerProcess:
                 # A lost rank > 0 is named first: rank 0 exits in its wake.
                 reason = self.tp_workers.first_dead() or (
                     exit_reason(self.process.exitcode) if not self.process.is_alive() else None)
+                if reason is not None and self._terminated():
+                    self._stopping.wait(SIGTERM_GRACE_S)
                 if reason is not None and not self._stopping.is_set():
                     logger.error(reason)
                     on_exit(reason)
@@ -109,6 +115,11 @@ class SchedulerProcess:
         thread = threading.Thread(target=run, name="arborlm-scheduler-monitor", daemon=True)
         thread.start()
         return thread
+
+    def _terminated(self) -> bool:
+        """Whether a dead child (the scheduler or a rank) was killed by SIGTERM."""
+        return any(not p.is_alive() and p.exitcode == -signal.SIGTERM
+                   for p in [self.process, *self.tp_workers.processes])
 
     def begin_stop(self) -> None:
         """Mark the exit that follows as expected (the monitor stays quiet)."""
