@@ -12,13 +12,15 @@ import dataclasses
 import ipaddress
 import os
 import re
-import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from arborlm.chat_template import BUILTIN_CHAT_TEMPLATES, is_template_file
 from arborlm.constrained.registry import GRAMMAR_BACKEND_NAMES
+from arborlm.runtime.config_checks import check_field as _check
+from arborlm.runtime.config_checks import check_types as _check_types
 from arborlm.runtime.layers.attention.names import ATTENTION_BACKEND_NAMES
+from arborlm.runtime.speculative_config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Weight formats served as stored (SGLang's --quantization names); "int8" quantizes a float
@@ -34,33 +36,6 @@ KV_CACHE_DTYPE_NAMES = ("auto", "fp8_e5m2", "fp8_e4m3", "int8")
 HICACHE_STORAGE_BACKENDS = ("file",)
 # The longest the front waits for a scheduler reply (seconds): Prometheus's default scrape timeout.
 MAX_REPLY_TIMEOUT_S = 10.0
-
-
-def _check(cond: bool, name: str, value: Any, expected: str) -> None:
-    if not cond:
-        raise ValueError(f"{name}={value!r} is invalid: expected {expected}")
-
-
-def _check_types(config: Any) -> None:
-    """Raise TypeError for a field whose value does not match its annotation
-    (int, float, str, bool, a tuple of str, or None)."""
-    hints = typing.get_type_hints(type(config))
-    for f in fields(config):
-        value = getattr(config, f.name)
-        allowed = typing.get_args(hints[f.name]) or (hints[f.name],)
-        if value is None and type(None) in allowed:
-            continue
-        ok = any(
-            (t is float and isinstance(value, (int, float)) and not isinstance(value, bool))
-            or (t is int and isinstance(value, int) and not isinstance(value, bool))
-            or (t in (str, bool) and isinstance(value, t))
-            or (typing.get_origin(t) is tuple and isinstance(value, tuple) and all(isinstance(v, str) for v in value))
-            for t in allowed
-        )
-        if not ok:
-            names = " or ".join("None" if t is type(None) else str(t) if typing.get_origin(t) else t.__name__
-                                for t in allowed)
-            raise TypeError(f"{f.name}={value!r} has the wrong type: expected {names}")
 
 
 @dataclass(frozen=True)
@@ -422,70 +397,6 @@ class ServerConfig:
             return ipaddress.ip_address(self.host).is_loopback
         except ValueError:
             return False
-
-
-# SGLang's --speculative-algorithm names served here (see docs/speculative.md).
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
-# Drafts longer than this cost more verify compute than they can win back on one chip.
-MAX_SPECULATIVE_DRAFT_TOKENS = 64
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding (SGLang's argument names; see `arborlm.runtime.speculative`)."""
-
-    speculative_algorithm: str | None = field(
-        default=None, metadata={"help": "draft tokens and verify them in one step: NGRAM, or STANDALONE (a draft "
-                                        "model, speculative_draft_model_path); off when unset"}
-    )
-    speculative_draft_model_path: str | None = field(
-        default=None, metadata={"help": "STANDALONE: the draft model (HF folder or GGUF file) sharing the "
-                                        "target's tokenizer"}
-    )
-    speculative_num_steps: int = field(
-        default=3, metadata={"help": "STANDALONE: draft model decode steps (draft tokens) per verify step"}
-    )
-    speculative_num_draft_tokens: int = field(
-        default=6, metadata={"help": "draft tokens verified per request and step"}
-    )
-    speculative_ngram_min_match_window_size: int = field(
-        default=2, metadata={"help": "shortest suffix (tokens) an n-gram draft must match"}
-    )
-    speculative_ngram_max_match_window_size: int = field(
-        default=4, metadata={"help": "longest suffix (tokens) an n-gram draft tries to match"}
-    )
-    speculative_ngram_capacity: int = field(
-        default=200_000, metadata={"help": "n-grams kept in the cross-request index of recent outputs"}
-    )
-    speculative_disable_by_batch_size: int = field(
-        default=16, metadata={"help": "no drafting while this many requests or more decode (0: never off)"}
-    )
-
-    def __post_init__(self):
-        _check_types(self)
-        if self.speculative_algorithm is not None:
-            _check(self.speculative_algorithm in SPECULATIVE_ALGORITHMS, "speculative_algorithm",
-                   self.speculative_algorithm, f"one of {SPECULATIVE_ALGORITHMS} or None")
-        standalone = self.speculative_algorithm == "STANDALONE"
-        _check((self.speculative_draft_model_path is not None) == standalone, "speculative_draft_model_path",
-               self.speculative_draft_model_path, "a draft model path with speculative_algorithm='STANDALONE', "
-               "None otherwise")
-        _check(1 <= self.speculative_num_steps <= MAX_SPECULATIVE_DRAFT_TOKENS, "speculative_num_steps",
-               self.speculative_num_steps, f"1..{MAX_SPECULATIVE_DRAFT_TOKENS}")
-        _check(1 <= self.speculative_num_draft_tokens <= MAX_SPECULATIVE_DRAFT_TOKENS,
-               "speculative_num_draft_tokens", self.speculative_num_draft_tokens,
-               f"1..{MAX_SPECULATIVE_DRAFT_TOKENS}")
-        _check(self.speculative_ngram_min_match_window_size >= 1, "speculative_ngram_min_match_window_size",
-               self.speculative_ngram_min_match_window_size, ">= 1")
-        _check(self.speculative_ngram_max_match_window_size >= self.speculative_ngram_min_match_window_size,
-               "speculative_ngram_max_match_window_size", self.speculative_ngram_max_match_window_size,
-               ">= speculative_ngram_min_match_window_size")
-        _check(self.speculative_ngram_max_match_window_size <= 32, "speculative_ngram_max_match_window_size",
-               self.speculative_ngram_max_match_window_size, "<= 32")
-        _check(self.speculative_ngram_capacity >= 0, "speculative_ngram_capacity",
-               self.speculative_ngram_capacity, ">= 0")
-        _check(self.speculative_disable_by_batch_size >= 0, "speculative_disable_by_batch_size",
-               self.speculative_disable_by_batch_size, ">= 0 (0: never off)")
 
 
 # sglang-router's load-balancing policies (`--policy` of `python -m sglang_router.launch_router`).
