@@ -47,6 +47,7 @@ class Config:
     dp_size: int
     policy: str | None
     kill_one: bool = False
+    balance_abs: int | None = None  # cache_aware: --router-balance-abs-threshold (None: the router's)
 
 
 CONFIGS = (Config("1 worker", 1, None), Config("2 × round_robin", 2, "round_robin"),
@@ -68,6 +69,9 @@ def start(config: Config, args: argparse.Namespace, log: Path) -> tuple[subproce
         cmd += ["--model", args.model]
     if config.dp_size > 1:
         cmd += ["--dp-size", str(config.dp_size), "--router-policy", config.policy]
+        if config.balance_abs is not None:
+            cmd += ["--router-balance-abs-threshold", str(config.balance_abs),
+                    "--router-balance-rel-threshold", str(args.balance_rel_threshold)]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     marker = "workers behind sglang-router" if config.dp_size > 1 else "ready when GET /health"
@@ -189,14 +193,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="KV pool per worker: fewer tokens than all groups' prompts together")
     p.add_argument("--kill-one", action="store_true", help="also a cache_aware run that kills one worker")
     p.add_argument("--kill-after", type=float, default=10.0, help="seconds into the --kill-one run")
+    p.add_argument("--balance-abs-threshold", type=int,
+                   help="also a cache_aware run with this --router-balance-abs-threshold (the router's "
+                        "default is 64: at a few clients it never balances)")
+    p.add_argument("--balance-rel-threshold", type=float, default=1.5,
+                   help="that run's --router-balance-rel-threshold")
     p.add_argument("--markdown-out", type=Path)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    configs = list(CONFIGS) + ([Config("2 × cache_aware, one killed", 2, "cache_aware", True)]
-                               if args.kill_one else [])
+    configs = list(CONFIGS)
+    if args.balance_abs_threshold is not None:
+        configs.append(Config(f"2 × cache_aware, balance at {args.balance_abs_threshold}", 2, "cache_aware",
+                              balance_abs=args.balance_abs_threshold))
+    if args.kill_one:
+        configs.append(Config("2 × cache_aware, one killed", 2, "cache_aware", True))
     records = []
     with tempfile.TemporaryDirectory(prefix="bench_router-") as tmp:
         for round_no in range(1, args.rounds + 1):

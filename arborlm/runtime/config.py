@@ -430,10 +430,32 @@ class ParallelConfig:
                           "(cache_aware: the worker whose cache holds the longest prefix, unless load is "
                           "unbalanced)"},
     )
+    # sglang-router's cache_aware knobs under SGLang's `--router-*` names (defaults are its own).
+    router_cache_threshold: float = field(
+        default=0.3,
+        metadata={"help": "cache_aware: the least fraction of a request's text a worker's prefix tree must "
+                          "match for the request to go there (else the worker with the smallest tree)"},
+    )
+    router_balance_abs_threshold: int = field(
+        default=64,
+        metadata={"help": "cache_aware: route to the least-loaded worker instead when the busiest holds more "
+                          "than this many requests above the least loaded (and the relative threshold holds)"},
+    )
+    router_balance_rel_threshold: float = field(
+        default=1.5,
+        metadata={"help": "cache_aware: ... and the busiest holds more than this times the least loaded's "
+                          "requests"},
+    )
 
     def __post_init__(self):
         _check_types(self)
         _check(1 <= self.tp_size <= MAX_TP_SIZE, "tp_size", self.tp_size, f"1..{MAX_TP_SIZE}")
+        _check(0.0 <= self.router_cache_threshold <= 1.0, "router_cache_threshold", self.router_cache_threshold,
+               "between 0 and 1")
+        _check(self.router_balance_abs_threshold >= 0, "router_balance_abs_threshold",
+               self.router_balance_abs_threshold, ">= 0")
+        _check(self.router_balance_rel_threshold >= 1.0, "router_balance_rel_threshold",
+               self.router_balance_rel_threshold, ">= 1")
         _check(1 <= self.dp_size <= 64, "dp_size", self.dp_size, "1..64")
         _check(self.tp_size == 1 or self.dp_size == 1, "tp_size", self.tp_size,
                "1 when dp_size > 1 (data-parallel workers with several tensor-parallel ranks each are not "
@@ -464,7 +486,9 @@ def _check_tensor_parallel(args: ServerArgs) -> None:
 
 # Options that only act with another one: (concern, field, the concern's field it needs, what it needs).
 _DEPENDENT_OPTIONS = (
-    ("parallel", "router_policy", "dp_size > 1", lambda args: args.parallel.dp_size > 1),
+    *(("parallel", name, "dp_size > 1", lambda args: args.parallel.dp_size > 1)
+      for name in ("router_policy", "router_cache_threshold", "router_balance_abs_threshold",
+                   "router_balance_rel_threshold")),
     *(("cache", name, "enable_hierarchical_cache", lambda args: args.cache.enable_hierarchical_cache)
       for name in ("hicache_size", "hicache_ratio", "hicache_storage_backend")),
 )

@@ -50,3 +50,29 @@ def test_engine_model_path_keyword_is_the_checkpoint_loaded(tmp_path):
 )
 def test_options_without_the_option_they_need_are_named(kwargs, expected):
     assert ignored_options(ServerArgs.from_kwargs(**kwargs)) == expected
+
+
+def test_router_balance_options_reach_sglang_router():
+    # sglang-router's RouterArgs takes them under its own names (no `router_` prefix).
+    from sglang_router.router_args import RouterArgs
+
+    from arborlm.entrypoints.data_parallel import router_kwargs, worker_specs
+
+    args = ServerArgs.from_kwargs(dp_size=2, router_cache_threshold=0.5, router_balance_abs_threshold=2,
+                                  router_balance_rel_threshold=1.2)
+    kwargs = router_kwargs(args, worker_specs(args, [31001, 31002]), metrics_port=31003)
+    router = RouterArgs(**kwargs)
+    assert (router.cache_threshold, router.balance_abs_threshold, router.balance_rel_threshold) == (0.5, 2, 1.2)
+    assert ignored_options(ServerArgs.from_kwargs(router_balance_abs_threshold=2)) == [
+        "router_balance_abs_threshold=2 is ignored: it needs dp_size > 1 (--dp-size)"]
+
+
+@pytest.mark.parametrize(("kwargs", "error"), [
+    ({"router_cache_threshold": 1.5}, ValueError),
+    ({"router_balance_abs_threshold": -1}, ValueError),
+    ({"router_balance_rel_threshold": 0.5}, ValueError),
+    ({"router_balance_abs_threshold": "2"}, TypeError),
+])
+def test_bad_router_balance_options_are_refused_by_name(kwargs, error):
+    with pytest.raises(error, match=next(iter(kwargs))):
+        ServerArgs.from_kwargs(**kwargs)
