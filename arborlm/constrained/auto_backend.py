@@ -30,9 +30,12 @@ class AutoGrammarBackend(GrammarBackend):
     Parameters
     ----------
     tokenizer, vocab_size, eos_token_ids:
-        As for every backend (`GrammarBackend`); each backend of
-        `AUTO_BACKEND_ORDER` is built with them when its first key is compiled, so a
-        server whose requests all go to xgrammar never builds llguidance's tokenizer.
+        As for every backend (`GrammarBackend`). The first backend of
+        `AUTO_BACKEND_ORDER` is built here, as a server on it alone builds it,
+        so its first compile does not pay for reading the vocabulary within
+        `grammar_compile_timeout`; the others are built when their first key is
+        compiled, so a server whose requests all go to xgrammar never builds
+        llguidance's tokenizer.
 
     Raises
     ------
@@ -54,6 +57,7 @@ class AutoGrammarBackend(GrammarBackend):
         self._backends: dict[str, GrammarBackend] = {}
         # Compiles run on the grammar manager's slot threads: one builds a backend, the others wait.
         self._building = threading.Lock()
+        self.backend(AUTO_BACKEND_ORDER[0])
 
     def backend(self, name: str) -> GrammarBackend:
         """The backend ``name`` of `AUTO_BACKEND_ORDER`, built on first use (each reads the vocabulary once).

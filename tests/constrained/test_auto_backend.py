@@ -110,7 +110,8 @@ def test_a_key_naming_another_backend_is_a_grammar_error():
 
 def test_the_manager_caches_the_same_text_apart_per_backend(tokenizer, eos):
     backend = AutoGrammarBackend(tokenizer, VOCAB_SIZE, [eos])
-    backend.compile(GrammarKey("regex", "a+"))  # no backend named: xgrammar, built on first use
+    assert set(backend._backends) == {"xgrammar"}  # the first choice is built with it, llguidance on first use
+    backend.compile(GrammarKey("regex", "a+"))  # no backend named: xgrammar
     assert set(backend._backends) == {"xgrammar"}
     manager = GrammarManager(backend, compile_timeout=60, max_workers=1)
     try:
