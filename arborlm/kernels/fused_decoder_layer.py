@@ -8,7 +8,10 @@ attention, o_proj, add + RMSNorm, gate_up, SiLU-and-mul, down) through the same
 kernels the unfused native path calls, in the same order, over scratch buffers
 allocated once (`DecodeScratch`), so its bf16 outputs are that path's bit for bit.
 float32 linears take a row-dot kernel of its own (the unfused path's are torch's):
-within float32 rounding, not bit-identical.
+within float32 rounding, not bit-identical. Quantized linears (`QuantLinearWeights`:
+GGUF blocks, int8 / int4 weight-only) take `csrc/quant_linear.cpp`'s kernel, the one
+`quant_ops.NativeQuantOps.linear` calls, with its per-row activation quantization: bit
+for bit in either dtype, up to `quant_ops.INT8_MAX_ROWS` rows.
 
 This module holds plain tensors and pointers only: `LayerParams` (one layer's
 weights, built once by `layer_params`), `StepParams` (what a step shares across
@@ -28,15 +31,16 @@ from pathlib import Path
 import torch
 
 from arborlm.envs import ENVS
-from arborlm.kernels import cpu_ops, linear_avx512
+from arborlm.kernels import cpu_ops, linear_avx512, quant_ops
 
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = (_CSRC / "fused_decoder_layer.cpp", _CSRC / "cpu_kernels.cpp", _CSRC / "linear_bf16_avx512.cpp")
-ABI_VERSION = 1
+SOURCES = (_CSRC / "fused_decoder_layer.cpp", _CSRC / "cpu_kernels.cpp", _CSRC / "linear_bf16_avx512.cpp",
+           _CSRC / "quant_linear.cpp", _CSRC / "quant_layout.h")
+ABI_VERSION = 2
 # Weight kinds of `FusedLinear.kind` (see the source).
-KIND_BF16_AVX512, KIND_BF16_AMX, KIND_FLOAT32 = 0, 1, 2
+KIND_BF16_AVX512, KIND_BF16_AMX, KIND_FLOAT32, KIND_QUANT = 0, 1, 2, 3
 # Rows up to which float32 decode steps take the fused layer: its row-dot linear reads
 # each weight row once for up to 8 rows; more rows go to torch's GEMM, unfused.
 FLOAT32_MAX_ROWS = 8
@@ -49,6 +53,12 @@ class FusedLinear(ctypes.Structure):
 
     _fields_ = [("weight", _ptr), ("bias", _ptr), ("kind", _i64), ("out_features", _i64),
                 ("in_features", _i64), ("k_block", _i64)]
+
+
+class _QuantPartsStruct(ctypes.Structure):
+    """`FusedQuantParts`: `arborlm_quant_linear`'s weight arguments (`StackedWeights.native_args`)."""
+
+    _fields_ = [("num_parts", _i64), ("fmts", _ptr), ("ptrs", _ptr), ("Ns", _ptr)]
 
 
 class _LayerStruct(ctypes.Structure):
@@ -90,6 +100,16 @@ class LinearWeights:
 
 
 @dataclass(frozen=True)
+class QuantLinearWeights:
+    """One quantized linear layer as `QuantizedLinear` holds it: `weights` the packed parts
+    stacked by rows (`quant_ops.StackedWeights` from `NativeQuantOps.prepare`, so with
+    `native_args`), `bias` (out,) or None."""
+
+    weights: quant_ops.StackedWeights
+    bias: torch.Tensor | None
+
+
+@dataclass(frozen=True)
 class LayerShape:
     """The fixed sizes of one layer: hidden width, query / KV heads, head width, MLP width."""
 
@@ -117,10 +137,36 @@ class LayerParams:
     tensors: tuple
 
 
-def _fused_linear(lin: LinearWeights, dtype: torch.dtype, in_features: int, out_features: int
+def _fused_quant_linear(lin: QuantLinearWeights, dtype: torch.dtype, in_features: int, out_features: int
+                        ) -> tuple[FusedLinear, int, tuple] | None:
+    """`_fused_linear` of a quantized layer: its parts as `NativeQuantOps.linear` passes them,
+    or None where that call would not take the native kernel either (so the unfused path
+    stays the one that runs)."""
+    parts, bias = lin.weights, lin.bias
+    args = getattr(parts, "native_args", None)
+    if args is None or not parts or any(w.in_features != in_features for w in parts):
+        return None
+    if sum(w.out_features for w in parts) != out_features or args[4] != out_features:
+        return None
+    if any(not t.is_cpu for w in parts for t in w.tensors()):
+        return None
+    if bias is not None and (bias.dtype != dtype or not bias.is_contiguous() or not bias.is_cpu
+                             or bias.shape != (out_features,)):
+        return None
+    num_parts, fmts, ptrs, heights, _, arrays = args
+    struct = _QuantPartsStruct(num_parts, fmts, ptrs, heights)
+    fused_linear = FusedLinear(ctypes.addressof(struct), None if bias is None else bias.data_ptr(), KIND_QUANT,
+                               out_features, in_features, 0)
+    # The struct, the ctypes arrays it points to and the packed tensors stay alive with the params.
+    return fused_linear, quant_ops.INT8_MAX_ROWS, (struct, arrays, *(t for w in parts for t in w.tensors()), bias)
+
+
+def _fused_linear(lin: LinearWeights | QuantLinearWeights, dtype: torch.dtype, in_features: int, out_features: int
                   ) -> tuple[FusedLinear, int, tuple] | None:
     """The struct of one linear (and the rows its kernel takes, the tensors it points into),
     or None where no fused kernel reads this weight."""
+    if isinstance(lin, QuantLinearWeights):
+        return _fused_quant_linear(lin, dtype, in_features, out_features)
     w, bias, packed = lin.weight, lin.bias, lin.packed
     if tuple(w.shape) != (out_features, in_features) or w.dtype != dtype or not w.is_cpu:
         return None
@@ -155,9 +201,10 @@ def layer_params(
     gate_up: 2 * intermediate outputs, gate first; down: hidden outputs.
     scale, sliding_window, logit_cap: the attention's (`RadixAttention`'s).
 
-    Returns None (the caller keeps the unfused path) for another dtype, a weight no fused
-    kernel reads (bf16 without the AVX-512 or AMX packing, a quantized one), mismatched
-    shapes, or norm weights not contiguous in `dtype`.
+    Each linear is a `LinearWeights` or a `QuantLinearWeights`. Returns None (the caller
+    keeps the unfused path) for another dtype, a weight no fused kernel reads (bf16 without
+    the AVX-512 or AMX packing, a quantized one not prepared by `NativeQuantOps`),
+    mismatched shapes, or norm weights not contiguous in `dtype`.
     """
     if dtype not in _DTYPE_CODES:
         return None
@@ -271,7 +318,8 @@ def run_layer(lib: ctypes.CDLL, layer: LayerParams, step: StepParams, scratch: D
     Raises
     ------
     ValueError
-        When the library refuses the layer's linear kinds for its dtype (nothing written).
+        When the library refuses the layer's linear kinds for its dtype, or a quantized
+        weight's format (nothing written).
     """
     if residual is None:
         residual, add = x, 0
@@ -280,7 +328,8 @@ def run_layer(lib: ctypes.CDLL, layer: LayerParams, step: StepParams, scratch: D
     out = scratch.out(step.rows)
     if lib.arborlm_fused_decoder_layer(layer.address, step.address, scratch.address, x.data_ptr(),
                                        residual.data_ptr(), add, out.data_ptr()) != 0:
-        raise ValueError("fused decoder layer: a linear layer's kind does not match the layer's dtype")
+        raise ValueError("fused decoder layer: a linear layer's kind does not match the layer's dtype "
+                         "(or a quantized weight's format is unknown)")
     return out, residual
 
 

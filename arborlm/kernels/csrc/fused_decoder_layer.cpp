@@ -19,7 +19,12 @@
 // for bit. The library is built from those two sources plus this one. float32
 // linear layers, which the unfused path hands to torch (MKL), take the row-dot
 // kernel below: the same products in another summation order (within float32
-// rounding of them, not bit-identical).
+// rounding of them, not bit-identical). Quantized linears (GGUF blocks, int8 /
+// int4 weight-only, all packed by `kernels/quant_layout.py`) call
+// `quant_linear.cpp`'s `arborlm_quant_linear`, as the unfused path does through
+// `quant_ops.NativeQuantOps.linear`: it quantizes the activation rows per block of
+// 32 into its thread's scratch (kept between calls), then streams the weight once,
+// so those layers' outputs are bit for bit the unfused path's too.
 //
 // Plain C ABI over raw pointers (`kernels/fused_decoder_layer.py` fills the
 // structs with ctypes). Row strides are in elements; every buffer has
@@ -50,6 +55,9 @@ void arborlm_linear_bf16(const void* x, int64_t x_stride, int64_t rows, int64_t 
 void arborlm_linear_bf16_avx512(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t K, int64_t k_block,
                                 const uint16_t* packed, int64_t N, const uint16_t* bias, uint16_t* out,
                                 int64_t out_stride);
+int arborlm_quant_linear(const void* x, int64_t ldx, int dtype, int64_t M, int64_t K, int64_t num_parts,
+                         const int32_t* fmts, const uint64_t* ptrs, const int64_t* Ns, const void* bias, void* out,
+                         int64_t ldo);
 }
 
 namespace {
@@ -58,6 +66,8 @@ namespace {
 constexpr int64_t kBf16Avx512 = 0;  // `linear_avx512.Avx512Weight.data`
 constexpr int64_t kBf16Amx = 1;     // `cpu_ops.AmxWeight.data`
 constexpr int64_t kFloat32 = 2;     // the (out, in) float32 weight itself, rows contiguous
+constexpr int64_t kQuant = 3;       // a `FusedQuantParts` (either dtype)
+constexpr int32_t kNumQuantFormats = 6;  // quant_layout.h's `Format` codes are 0..5
 
 // Minimum weight elements before the float32 kernel wakes the OpenMP threads.
 constexpr int64_t kParallelWeights = 1 << 15;
@@ -74,6 +84,14 @@ struct FusedLinear {
   int64_t out_features;
   int64_t in_features;
   int64_t k_block;  // kBf16Avx512 only: `Avx512Weight.k_block`
+};
+
+// A quantized weight (`kQuant`): `arborlm_quant_linear`'s arguments, parts stacked by rows.
+struct FusedQuantParts {
+  int64_t num_parts;
+  const int32_t* fmts;   // (num_parts,) quant_layout.h format codes
+  const uint64_t* ptrs;  // (6 num_parts,) each part's six array addresses
+  const int64_t* Ns;     // (num_parts,) rows of each part
 };
 
 // What is fixed for one layer (filled once, `fused_decoder_layer.LayerParams`).
@@ -160,6 +178,21 @@ void linear(const FusedLinear& lin, int64_t dtype, const void* x, int64_t rows, 
   else if (lin.kind == kFloat32 && dtype == 0)
     linear_f32(static_cast<const float*>(x), K, rows, K, static_cast<const float*>(lin.weight), N,
                static_cast<const float*>(lin.bias), static_cast<float*>(out), N);
+  else if (lin.kind == kQuant) {
+    const auto* q = static_cast<const FusedQuantParts*>(lin.weight);
+    arborlm_quant_linear(x, K, static_cast<int>(dtype), rows, K, q->num_parts, q->fmts, q->ptrs, q->Ns, lin.bias,
+                         out, N);
+  }
+}
+
+// Whether every part of a quantized weight has a format the kernel knows (checked
+// before anything is written, so `arborlm_quant_linear` cannot fail mid-layer).
+bool quant_formats_known(const FusedLinear& lin) {
+  const auto* q = static_cast<const FusedQuantParts*>(lin.weight);
+  if (q == nullptr || q->num_parts <= 0) return false;
+  for (int64_t p = 0; p < q->num_parts; ++p)
+    if (q->fmts[p] < 0 || q->fmts[p] >= kNumQuantFormats) return false;
+  return true;
 }
 
 int64_t element_bytes(int64_t dtype) { return dtype == 0 ? 4 : 2; }
@@ -168,17 +201,22 @@ int64_t element_bytes(int64_t dtype) { return dtype == 0 ? 4 : 2; }
 
 extern "C" {
 
-int arborlm_fused_layer_abi_version() { return 1; }
+int arborlm_fused_layer_abi_version() { return 2; }
 
 // One decoder layer of a decode step (see the top of the file). x, residual, out:
 // (rows, hidden) contiguous rows. With add_residual 0 (the first layer) the residual
 // stream starts as x: residual must then be x itself (normalised, not added).
 // residual is updated in place; out may be x (x is read first). Returns 0, or -1
-// for a linear layer whose kind the layer's dtype does not take (nothing written).
+// for a linear layer whose kind the layer's dtype does not take or a quantized weight
+// of an unknown format (nothing written).
 int arborlm_fused_decoder_layer(const FusedLayerParams* p, const FusedStep* step, const FusedScratch* s,
                                 const void* x, void* residual, int add_residual, void* out) {
   const FusedLinear* linears[] = {&p->qkv, &p->o_proj, &p->gate_up, &p->down};
   for (const FusedLinear* lin : linears) {
+    if (lin->kind == kQuant) {
+      if (!quant_formats_known(*lin)) return -1;
+      continue;
+    }
     const bool bf16_kind = lin->kind == kBf16Avx512 || lin->kind == kBf16Amx;
     if ((p->dtype == 1) != bf16_kind || (lin->kind == kFloat32 && p->dtype != 0)) return -1;
   }

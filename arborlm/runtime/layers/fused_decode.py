@@ -6,7 +6,8 @@ first (`LlamaDecoderLayer.forward`); it runs the layer through
 would: a DECODE step on the native CPU attention path (`NativeDecodeMetadata`
 from `TorchAttentionBackend`, so a K/V pool in the model dtype), bf16 with the
 AVX-512 or AMX linear packing or float32, rows within the linears' kernels'
-bound, full-width rotary, plain `Linear` projections (not quantized, not
+bound, full-width rotary, plain `Linear` projections or `QuantizedLinear` ones on
+the native quantized kernels (GGUF blocks, int8 / int4 weight-only; not
 tensor-parallel) and a SiLU `GatedMLP`. Anything else returns None and the layer
 takes its modules as before. `enabled = False` turns it off (the tests' and the
 benchmark's baseline).
@@ -20,10 +21,12 @@ import torch
 
 from arborlm.kernels import fused_decoder_layer as fused
 from arborlm.kernels.cpu_ops import NativeLayerOps, RotaryStep
+from arborlm.kernels.quant_ops import NativeQuantOps
 from arborlm.runtime.forward_batch_info import ForwardBatch
 from arborlm.runtime.layers.attention.torch_native_backend import NativeDecodeMetadata
 from arborlm.runtime.layers.linear import Linear, MergedLinear
 from arborlm.runtime.layers.mlp import GatedMLP
+from arborlm.runtime.layers.quantization.quant_linear import QuantizedLinear
 
 
 def _plain_linear(module) -> bool:
@@ -32,17 +35,28 @@ def _plain_linear(module) -> bool:
     return type(module) in (Linear, MergedLinear) and getattr(module, "tp_size", 1) == 1
 
 
-def _weights(linear: Linear) -> fused.LinearWeights:
+def _native_quantized_linear(module) -> bool:
+    """A `QuantizedLinear` whose unfused forward takes the native kernel the fused layer
+    calls (`NativeQuantOps`, not the torch or Triton ops), not tensor-parallel."""
+    return (type(module) is QuantizedLinear and type(module.ops) is NativeQuantOps
+            and getattr(module, "tp_size", 1) == 1)
+
+
+def _weights(linear) -> fused.LinearWeights | fused.QuantLinearWeights:
+    if isinstance(linear, QuantizedLinear):
+        return fused.QuantLinearWeights(linear.weights, linear.bias)
     return fused.LinearWeights(linear.weight, linear.bias, linear.packed_weight)
 
 
 def _packs(layer) -> tuple:
     """The packed weights a layer's params point into (rebuilt when one changes)."""
     attn, mlp = layer.self_attn, layer.mlp
-    # getattr: a quantized or MoE layer has no such attribute (and no fused params).
+    # getattr: an MoE layer has no such attribute (and no fused params).
     modules = (getattr(attn, "qkv_proj", None), getattr(attn, "o_proj", None), getattr(mlp, "gate_up_proj", None),
                getattr(mlp, "down_proj", None))
-    return tuple(getattr(m, "packed_weight", None) for m in modules)
+    # A quantized linear's packed parts are its `weights` (replaced by `set_weights`).
+    return tuple(m.weights if isinstance(m, QuantizedLinear) else getattr(m, "packed_weight", None)
+                 for m in modules)
 
 
 class FusedDecode:
@@ -107,7 +121,8 @@ class FusedDecode:
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         ok = (
             type(attn) is self.attention_cls and type(mlp) is GatedMLP and mlp.act_and_mul == self.ops.silu_and_mul
-            and all(_plain_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+            and all(_plain_linear(m) or _native_quantized_linear(m)
+                    for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
             and not any(n.unit_offset for n in norms)
         )
         if not ok:
