@@ -26,6 +26,10 @@ slots; an int8 pool's scales included): what the variant keeps resident after lo
 
     flock /tmp/arborlm-timing.lock .venv/bin/python benchmarks/bench_quant.py --threads 1
 
+`--variants none gguf gguf-unfused` runs only those variants of each group; a name ending in
+`-unfused` is that variant with the fused decoder layer off (`kernels/fused_decoder_layer.py`),
+so the fused layer's effect is a ratio in the same run.
+
 `--threads` pins torch's and OpenMP's thread counts (and llama-server's `-t`): on a shared
 machine one thread per step times steadier. Prints one markdown table and the ratios.
 """
@@ -61,6 +65,8 @@ from benchmarks import bench_perplexity, gguf_models  # noqa: E402
 LLAMA_SERVER = gguf_models.PEERS_CACHE / "llama.cpp" / "build" / "bin" / "llama-server"
 LLAMA = "llama-server"
 DEFAULT_VARIANTS = ("none", "gguf", "int8", "int4", "kv-int8", "kv-fp8_e4m3", "kv-fp8_e5m2")
+# A variant name with this suffix runs with the fused decoder layer off (`FusedDecode.enabled`).
+UNFUSED = "-unfused"
 RANDOM_VARIANTS = ("none", "gguf", "int8", "int4")
 
 
@@ -113,6 +119,7 @@ def _k_quant(name: str, f16: Path, variants: tuple[str, ...], perplexity: bool) 
 
 
 def server_args(group: Group, variant: str, args: argparse.Namespace) -> ServerArgs:
+    variant = variant.removesuffix(UNFUSED)
     kwargs = dict(model_path=str(group.path), log_level="warning", max_total_tokens=args.max_total_tokens)
     if variant.startswith("kv-"):
         kwargs.update(quantization="none", kv_cache_dtype=variant.removeprefix("kv-"))
@@ -131,6 +138,9 @@ def kv_pool_mb(sched: Scheduler) -> float:
 def make_scheduler(group: Group, variant: str, batch_size: int, args: argparse.Namespace, row: Row) -> Scheduler:
     """A scheduler holding `batch_size` greedy requests of `prompt_len` tokens each."""
     sched = Scheduler(server_args(group, variant, args))
+    fused_decode = getattr(sched.model_runner.model.model, "fused_decode", None)
+    if variant.endswith(UNFUSED) and fused_decode is not None:
+        fused_decode.enabled = False
     row.weights_mb, row.kv_mb = weight_bytes(sched.model_runner.model) / 1e6, kv_pool_mb(sched)
     params = SamplingParams(max_new_tokens=args.warmup + args.rounds * args.block + 8, ignore_eos=True, temperature=0)
     for i, ids in enumerate(prompts(batch_size, args.prompt_len)):
@@ -263,6 +273,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", nargs="+", default=["default", "q8_0", "random-0.5b-q8_0", "random-0.5b-q4_k_m"],
                         choices=["default", "q8_0", "q4_k_m", "random-0.5b-q8_0", "random-0.5b-q4_k_m"])
+    parser.add_argument("--variants", nargs="+", default=None,
+                        help=f"run only these of each group's variants; a name + '{UNFUSED}' runs it with the "
+                             "fused decoder layer off")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompt-len", type=int, default=64, help="tokens per prompt of the decode batch")
     parser.add_argument("--prefill-len", type=int, default=256, help="tokens of the timed prefill")
@@ -291,6 +304,8 @@ def main() -> None:
         print("llama-server: left out (not built, or --no-llama-server)", file=sys.stderr)
     results = []
     for group in groups(args.groups):
+        if args.variants:
+            group.variants = tuple(v for v in args.variants if v.removesuffix(UNFUSED) in group.variants)
         server = LlamaServer(group.path, args.threads or os.cpu_count() or 1, args.port) if use_server else None
         try:
             for i, batch_size in enumerate(args.batch_sizes):

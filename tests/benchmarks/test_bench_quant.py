@@ -53,3 +53,14 @@ def test_a_group_measures_every_variant(tiny_group, capsys):
     bench_quant.print_table([(tiny_group, 2, rows)], args)
     table = capsys.readouterr().out
     assert all(f"| tiny | 2 | {variant} |" in table for variant in tiny_group.variants)
+
+
+def test_an_unfused_variant_turns_the_fused_layer_off(tiny_group):
+    args = bench_args()
+    fused = bench_quant.make_scheduler(tiny_group, "int4", 1, args, bench_quant.Row())
+    unfused = bench_quant.make_scheduler(tiny_group, "int4" + bench_quant.UNFUSED, 1, args, bench_quant.Row())
+    assert bench_quant.server_args(tiny_group, "int4-unfused", args).model.quantization == "int4"
+    fused_decode = [s.model_runner.model.model.fused_decode for s in (fused, unfused)]
+    if fused_decode[0] is None:
+        pytest.skip("the fused decoder layer is not built here")
+    assert fused_decode[0].enabled and not fused_decode[1].enabled
