@@ -20,16 +20,31 @@ if TYPE_CHECKING:
 
 
 class ForwardMode(enum.Enum):
-    """What a forward step computes."""
+    """What a forward step computes.
+
+    TARGET_VERIFY (SGLang's name for the speculative verify step) is laid out as
+    decode rows here: one row per token of each request's verify chain ``[last
+    token, *draft]``, the request's ``req_pool_index`` repeated, row j at position
+    ``kv_len + j`` with ``seq_len = kv_len + j + 1`` (`speculative.verify_batch`).
+    Every row is then what a DECODE step computes for that token, once the K/V of
+    all rows are stored, so `is_decode` is true for it: attention backends, the
+    fused decoder layer and the logits take it as a decode step (logits at every
+    row). SGLang's TARGET_VERIFY is extend-shaped with a tree mask instead.
+    """
 
     EXTEND = enum.auto()  # new prompt tokens after a (possibly empty) cached prefix
     DECODE = enum.auto()  # one new token per request
+    TARGET_VERIFY = enum.auto()  # speculative verify chains as decode rows (see above)
 
     def is_extend(self) -> bool:
         return self is ForwardMode.EXTEND
 
     def is_decode(self) -> bool:
-        return self is ForwardMode.DECODE
+        """DECODE, or TARGET_VERIFY (decode-shaped rows)."""
+        return self is ForwardMode.DECODE or self is ForwardMode.TARGET_VERIFY
+
+    def is_target_verify(self) -> bool:
+        return self is ForwardMode.TARGET_VERIFY
 
 
 @dataclass
@@ -42,8 +57,9 @@ class ForwardBatch:
 
     Attributes
     ----------
-    forward_mode: EXTEND or DECODE.
-    batch_size: number of requests.
+    forward_mode: EXTEND, DECODE or TARGET_VERIFY (decode rows: `batch_size` is then
+        the number of rows, several per request).
+    batch_size: number of requests (rows for TARGET_VERIFY).
     input_ids: (num_tokens,) int64, the new tokens, request after request.
     positions: (num_tokens,) int64, absolute position of each new token.
     req_pool_indices: (batch_size,) int64, row of each request in `req_to_token`.

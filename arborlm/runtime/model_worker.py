@@ -30,6 +30,7 @@ from arborlm.runtime.sampling import Sampler, SamplingInfoCache, compute_logprob
 from arborlm.runtime.schedule_batch import Req
 from arborlm.runtime.speculative.draft_worker import make_draft_worker
 from arborlm.runtime.speculative.verify import DraftVerifier
+from arborlm.runtime.speculative.verify_batch import uses_verify_rows, verify_rows
 
 # Mask fill times kept for the structured-output benchmark (one entry per constrained request and step).
 MASK_FILL_SAMPLES = 1 << 16
@@ -78,7 +79,9 @@ class ModelWorkerBatch:
     sample_rows: indices into `reqs` of the requests that take a next token
         this step (not a chunked prompt with tokens left, nor `max_new_tokens` 0).
     draft_tokens: a speculative verify step: per request, the draft run after
-        its last token (`speculative.scheduling.build_verify_batch`); None otherwise.
+        its last token (`speculative.scheduling.build_verify_batch`: `forward_batch`
+        is then its extend chains, which the worker may run as decode rows,
+        `speculative.verify_batch`); None otherwise.
     """
 
     forward_batch: ForwardBatch
@@ -217,6 +220,9 @@ class ModelWorker:
         self.sampling_info_cache = SamplingInfoCache()
         self.grammar_masker = GrammarMasker()
         self.draft_verifier = DraftVerifier(self.model_info.vocab_size, self._eos_ids)
+        # Verify steps as decode rows (TARGET_VERIFY) where the attention backend takes them, else the
+        # scheduler's extend chains (`speculative/verify_batch.py`); tests set it False for the oracle.
+        self.verify_as_rows = uses_verify_rows(model_runner.model)
         # STANDALONE speculation: the draft model and its own KV pool (`speculative/draft_worker.py`)
         self.draft_worker = make_draft_worker(model_runner.server_args, self.model_info.vocab_size,
                                               model_runner.context_length, model_runner.max_total_tokens, tokenizer)
@@ -237,9 +243,9 @@ class ModelWorker:
         """
         if self.embedder is not None:
             return self.embed(batch)
-        logits_output = self.model_runner.forward(batch.forward_batch)
         if batch.draft_tokens is not None:
-            return self.verify_drafts(batch, logits_output)
+            return self.verify_drafts(batch)
+        logits_output = self.model_runner.forward(batch.forward_batch)
         prompt_logprobs = [None] * len(batch.reqs)
         if batch.forward_batch.forward_mode.is_extend():
             prompt_logprobs = self.collect_prompt_logprobs(batch, logits_output)
@@ -266,10 +272,13 @@ class ModelWorker:
                                         [len(r.origin_input_ids) for r in batch.reqs])
         return GenerationResult([], [], [None] * len(batch.reqs), embeddings=vectors)
 
-    def verify_drafts(self, batch: ModelWorkerBatch, logits_output: LogitsOutput) -> GenerationResult:
-        """A speculative verify step: the target's tokens at every draft position, greedy
-        acceptance or rejection sampling (`speculative.verify`); `accept_lens` says how many
-        each request took."""
+    def verify_drafts(self, batch: ModelWorkerBatch) -> GenerationResult:
+        """A speculative verify step: the target's logits at every chain position, as decode
+        rows when `verify_as_rows` (`speculative.verify_batch`) else as the scheduler's extend
+        chains (the same rows in the same order either way), then greedy acceptance or
+        rejection sampling (`speculative.verify`); `accept_lens` says how many each request took."""
+        forward_batch = verify_rows(batch.forward_batch) if self.verify_as_rows else batch.forward_batch
+        logits_output = self.model_runner.forward(forward_batch)
         out = self.draft_verifier.verify(batch.reqs, batch.draft_tokens, logits_output.full_logits)
         infos = [None if lp is None else LogprobInfo(*lp) for lp in out.logprobs]
         return GenerationResult(out.token_ids, infos, [None] * len(batch.reqs), out.accept_lens, out.invalid_rows)

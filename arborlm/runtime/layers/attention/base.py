@@ -18,7 +18,16 @@ from arborlm.runtime.forward_batch_info import ForwardBatch
 
 
 class AttentionBackend(ABC):
-    """Attention over the paged KV layout for one model step."""
+    """Attention over the paged KV layout for one model step.
+
+    `takes_verify_rows`: whether a speculative verify step may run on this backend as
+    decode rows (`ForwardMode.TARGET_VERIFY`, several rows per request,
+    `speculative/verify_batch.py`): true where the decode path stores every row's new
+    K/V before attending and attends each row on its own over its `req_to_token` row
+    and `seq_len`. False (the default) keeps verify steps on the extend path.
+    """
+
+    takes_verify_rows: bool = False
 
     @classmethod
     def create(cls, device: torch.device, native: NativeLayerOps | None) -> AttentionBackend:

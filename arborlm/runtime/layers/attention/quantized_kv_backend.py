@@ -65,6 +65,10 @@ class QuantizedKVAttentionBackend(AttentionBackend):
     native: the C++ CPU kernels (decode steps), or None for `kernels/reference.py` only.
     """
 
+    # Each decode row gets its own upcast copy of its request's K/V: as decode rows a
+    # verify chain of 1 + k tokens would gather that K/V 1 + k times per layer.
+    takes_verify_rows = False
+
     def __init__(self, native: NativeLayerOps | None = None):
         self.native = native
 

@@ -14,6 +14,8 @@ from arborlm.runtime.layers.attention.base import AttentionBackend
 class ReferenceAttentionBackend(AttentionBackend):
     """The oracle path (`kernels/reference.py`): simple, per-layer index work; any device."""
 
+    takes_verify_rows = True  # stores the step's K/V first; `reference.decode_attention` is per row
+
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Nothing: the reference recomputes its indices in every layer."""
 

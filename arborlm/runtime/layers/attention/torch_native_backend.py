@@ -53,6 +53,10 @@ class TorchAttentionBackend(AttentionBackend):
     per-step gather indices. Other steps take `torch_native` (SDPA over a gather).
     """
 
+    # `arborlm_decode_attention` stores all rows' K/V, then attends row by row; the torch
+    # fallback stores first too, and gathers each row's keys by its own seq_len.
+    takes_verify_rows = True
+
     def __init__(self, native: NativeLayerOps | None = None):
         self.native = native
 

@@ -49,6 +49,11 @@ class TritonAttentionBackend(AttentionBackend):
     """The Triton kernels (`triton_extend.py`, `triton_decode.py`): CUDA, or the CPU
     under `TRITON_INTERPRET=1` (tests)."""
 
+    # Verify chains stay extend-shaped here: the extend kernel reads a request's K/V once
+    # per block of its chain, the decode kernel once per row (and its KV split count would
+    # follow the row count); on a GPU the extend kernel is the cheaper verify.
+    takes_verify_rows = False
+
     @classmethod
     def create(cls, device: torch.device, native: NativeLayerOps | None) -> TritonAttentionBackend:
         """Raises ValueError where Triton cannot run on `device` (see `triton_usable`)."""
