@@ -1,4 +1,4 @@
-"""The default grammar backend: xgrammar (JSON schema, any JSON, regex, EBNF, structural tags).
+"""The xgrammar grammar backend (JSON schema, any JSON, regex, EBNF, structural tags): auto's first choice.
 
 The front calls `XGrammarBackend.check` (a parse without the tokenizer) before a
 request is queued; the grammar worker thread calls `compile`; the scheduler

@@ -76,15 +76,17 @@ def after_reasoning(spec: GrammarSpec | None, reasoning: dict | None, backend: s
 
     Raises
     ------
-    GrammarError: the backend is not xgrammar (structural tags are needed), or
+    GrammarError: ``backend`` (the one that takes the constraint) is not xgrammar, or
         the combined grammar does not compile; ``param`` is the constraint's field.
     """
     if spec is None or reasoning is None:
         return spec
     where = Reasoning.from_dict(reasoning)
     if backend != "xgrammar":  # the inner grammar is embedded as xgrammar's EBNF
-        raise GrammarError(f"a {spec.key.param} constraint after reasoning needs structural tags; start the "
-                           "server with --grammar-backend xgrammar", spec.key.param)
+        raise GrammarError(f"a {spec.key.param} constraint after reasoning is compiled on xgrammar (the "
+                           f"constraint's grammar is embedded as xgrammar's EBNF), but this one goes to the "
+                           f"{backend} backend; xgrammar must accept it, on --grammar-backend xgrammar or auto",
+                           spec.key.param)
     key = GrammarKey("structural_tag", json.dumps(_combined_tag(spec.key, where)))
     try:
         backend_class(backend).check(key)

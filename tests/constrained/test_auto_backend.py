@@ -177,6 +177,6 @@ def test_a_constraint_after_reasoning_goes_to_xgrammar_or_says_it_needs_it():
     assert combined.key.kind == "structural_tag" and resolved_backend(combined.key.backend, "auto") == "xgrammar"
     AutoGrammarBackend.check(combined.key)
     spec = spec_of(ONLY_LLGUIDANCE)
-    with pytest.raises(GrammarError, match="xgrammar") as info:
+    with pytest.raises(GrammarError, match="goes to the llguidance backend; xgrammar must accept it") as info:
         after_reasoning(spec, reasoning, resolved_backend(spec.key.backend, "auto"))
     assert info.value.param == "json_schema"
