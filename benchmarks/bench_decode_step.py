@@ -57,6 +57,7 @@ import zmq
 from arborlm.runtime.config import ServerArgs
 from arborlm.runtime.detokenizer import RequestDecoder
 from arborlm.runtime.io_struct import BatchTokenOut, TokenizedGenerateReqInput
+from arborlm.runtime.layers.quantization.quant_linear import QuantizedLinear
 from arborlm.runtime.schedule_batch import ScheduleBatch
 from arborlm.runtime.scheduler import Scheduler
 from arborlm.sampling_params import SamplingParams
@@ -272,7 +273,8 @@ def copy_bandwidth_gbs(num_bytes: int = 1 << 29, repeats: int = 5) -> float:
 
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
     """Bytes of the weights a decode step reads: every parameter once (a tied embedding is the
-    lm_head; the embedding lookup reads a few rows only) plus packed kernel copies of linears."""
+    lm_head; the embedding lookup reads a few rows only) plus packed kernel copies of linears, and
+    the packed tensors of quantized ones (a tied quantized head: its table, once)."""
     seen: set[int] = set()
     total = 0
     for name, param in model.named_parameters():
@@ -283,6 +285,12 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
         if name.endswith("embed_tokens.weight") and not getattr(model, "tie_word_embeddings", False):
             continue  # looked up, not streamed
         total += param.numel() * param.element_size()
+    # Quantized linears hold their packed weights as buffers, not parameters.
+    packed = [t for m in model.modules() if isinstance(m, QuantizedLinear) for w in m.weights for t in w.tensors()]
+    for t in packed:
+        if t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.numel() * t.element_size()
     return total
 
 
