@@ -238,10 +238,11 @@ class Scheduler:
         return self.running + self.jump_forward_reqs + ([self.chunked_req] if self.chunked_req else [])
 
     def flush_cache(self) -> bool:
-        """Empty the radix cache; refused (False) while requests are in flight."""
+        """Empty the radix cache and NGRAM's recent-output index; refused (False) while requests are in flight."""
         if self.waiting_queue or self.grammar_queue or self.alive_reqs():
             return False
         self.kv.flush_cache()
+        spec.clear_cache_pool(self.speculator)
         return True
 
     # ---- the loop -----------------------------------------------------------
@@ -591,6 +592,7 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Assert that every KV slot is free, in the cache, or owned by a live request,
-        and every request row free or a live request's (`KVManager.check_invariants`)."""
+        and every request row free or a live request's (`KVManager.check_invariants`); the same of the draft's."""
         self.kv.check_invariants(self.alive_reqs())
+        spec.check_invariants(self.speculator, self.alive_reqs())
 

@@ -79,6 +79,10 @@ class RecentOutputIndex:
     def __len__(self) -> int:
         return len(self._table)
 
+    def clear(self) -> None:
+        """Forget every indexed output."""
+        self._table.clear()
+
     def add(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
         """Index a finished request's output (newest continuations win)."""
         if self.capacity == 0 or not output_ids:

@@ -163,6 +163,14 @@ class Speculator:
     def on_step_end(self) -> None:
         """Called after every scheduler step (n-gram drafting keeps nothing to release)."""
 
+    def clear_cache_pool(self) -> None:
+        """Forget what finished requests generated (the scheduler's ``flush_cache``, when no
+        request is alive; SGLang's NGRAM worker resets its n-gram cache there too)."""
+        self.drafter.recent.clear()
+
+    def check_invariants(self, alive: list[Req]) -> None:
+        """Assert the speculator's own memory is consistent (NGRAM holds no KV: nothing to check)."""
+
 
 def grammatical_prefix(grammar, draft: list[int]) -> list[int]:
     """The longest prefix of ``draft`` the matcher accepts, stopping before a token that
@@ -179,6 +187,18 @@ def grammatical_prefix(grammar, draft: list[int]) -> list[int]:
         accepted -= 1
     grammar.rollback(accepted)
     return draft[:accepted]
+
+
+def clear_cache_pool(speculator: Speculator | None) -> None:
+    """`Speculator.clear_cache_pool` when speculation is on (the scheduler's ``flush_cache``)."""
+    if speculator is not None:
+        speculator.clear_cache_pool()
+
+
+def check_invariants(speculator: Speculator | None, alive: list[Req]) -> None:
+    """`Speculator.check_invariants` when speculation is on (the scheduler's ``check_invariants``)."""
+    if speculator is not None:
+        speculator.check_invariants(alive)
 
 
 def verify_num_tokens(drafts: list[list[int]]) -> int:

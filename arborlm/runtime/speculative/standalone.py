@@ -89,3 +89,15 @@ class DraftModelSpeculator(Speculator):
     def on_step_end(self) -> None:
         """Release the draft KV of requests that ended this step by an abort or were retracted."""
         self.draft_worker.release_dead()
+
+    def clear_cache_pool(self) -> None:
+        """The draft keeps no cache across requests; with none alive its pool is whole again."""
+        self.draft_worker.release_dead()
+
+    def check_invariants(self, alive: list[Req]) -> None:
+        """Assert that every draft KV slot and row is free or held by one of ``alive`` (the
+        requests holding a target row), never by a finished, aborted or retracted one."""
+        self.draft_worker.check_invariants()
+        live = set(map(id, alive))
+        for state in self.draft_worker.states.values():
+            assert id(state.req) in live, f"draft KV of {state.req.rid} outlives its target row"
