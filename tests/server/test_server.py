@@ -158,6 +158,21 @@ def test_output_failing_its_schema_says_why(client, model, http):
     assert http.get("/get_server_info").json()["num_grammar_violations"] == violations + 2
 
 
+def test_the_default_backend_enforces_what_xgrammar_would_drop(http):
+    # A lenient schema xgrammar takes only without uniqueItems (over an enum): the default,
+    # auto, gives it to llguidance, which enforces it, so every output is a valid pair
+    # (dropped, ["a", "a"] would come about half the time and fail validation).
+    schema = {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 2, "maxItems": 2, "uniqueItems": True}
+    violations = http.get("/get_server_info").json()["num_grammar_violations"]
+    params = {"json_schema": json.dumps(schema), "json_schema_lenient": True, "temperature": 1.0, "max_new_tokens": 24}
+    outs = http.post("/generate", json={"text": ["Pick"] * 6, "sampling_params": params}).json()
+    for out in outs:
+        assert out["meta_info"]["grammar_backend"] == "llguidance", out["meta_info"]
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+        assert sorted(json.loads(out["text"])) == ["a", "b"]
+    assert http.get("/get_server_info").json()["num_grammar_violations"] == violations
+
+
 @pytest.mark.usefixtures("http")
 def test_completions_max_tokens_null_is_16(http):
     body = {"model": "default", "prompt": "Once upon", "max_tokens": None, "ignore_eos": True}
