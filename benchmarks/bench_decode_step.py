@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -51,8 +52,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-import zmq
+if "--threads" in sys.argv:  # OpenMP reads it once, when the kernels' libraries load
+    os.environ["OMP_NUM_THREADS"] = sys.argv[sys.argv.index("--threads") + 1]
+
+import torch  # noqa: E402
+import zmq  # noqa: E402
 
 from arborlm.runtime.config import ServerArgs
 from arborlm.runtime.detokenizer import RequestDecoder
@@ -520,6 +524,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="onednn: also time, interleaved, bare steps with the linears on oneDNN "
                          "where they take the AVX-512 kernel (kernels/linear_avx512.py); unfused: "
                          "with the decoder layers module by module where they take the fused call")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch's and OpenMP's threads (default: every core); one times steadier on a shared machine")
     ap.add_argument("--markdown-out", type=Path, default=None)
     ap.add_argument("--json-out", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -529,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
         max_total_tokens=(max(int(b) for b in args.batch_sizes.split(",")) + 1) * (args.prompt_len + decode_tokens(args)) * 2,
     )
     scheduler = Scheduler(server_args)
+    if args.threads is not None:  # after the model runner, which sets every core
+        torch.set_num_threads(args.threads)
     front = FrontSide(scheduler.tokenizer)
     params = {"temperature": args.temperature, "top_p": args.top_p}
     try:
