@@ -1,9 +1,11 @@
 """Verify drafts in one step: the target's distribution at every draft position, then acceptance.
 
-The scheduler ran each request's last token and its draft ``d`` (k tokens) as
-one extend chain of ``1 + k`` tokens over its paged KV (the causal mask of the
-ordinary extend kernels is exactly a chain's verify mask), with logits at
-every position. Row ``j`` of a request's chain scores the token after
+The model worker ran each request's last token and its draft ``d`` (k tokens)
+as ``1 + k`` decode rows over its paged KV (`ForwardMode.TARGET_VERIFY`, where
+the attention backend takes them) or as one extend chain of ``1 + k`` tokens
+(the causal mask of the ordinary extend kernels is exactly a chain's verify
+mask), with logits at every position, in the same row order either way
+(`verify_batch.py`). Row ``j`` of a request's chain scores the token after
 ``d[:j]``, processed as a plain decode step there would process it: the same
 grammar mask (the matcher advanced over ``d[:j]``, then rolled back), the same
 penalties, logit bias and ``min_new_tokens`` (over ``output_ids + d[:j]``),
@@ -132,9 +134,16 @@ class DraftVerifier:
         reqs: the step's requests, in row order.
         drafts: per request, its draft tokens.
         full_logits: (sum(1 + len(d)), V) float32, the chain rows of each request in turn.
+
+        Raises
+        ------
+        ValueError: ``full_logits`` has not one row per chain token.
+        RuntimeError: a grammar rejects a draft token (the scheduler cuts drafts before one).
         """
         num_rows = sum(len(d) + 1 for d in drafts)
-        assert full_logits.shape[0] == num_rows, "one logits row per chain token"
+        if full_logits is None or full_logits.shape[0] != num_rows:
+            raise ValueError(f"full_logits: one row per chain token ({num_rows}) is needed, got "
+                             f"{None if full_logits is None else tuple(full_logits.shape)}")
         logits = full_logits.float().clone()
         self._apply_grammar_masks(reqs, drafts, logits)
         row_reqs = [req for req, d in zip(reqs, drafts) for _ in range(len(d) + 1)]

@@ -126,6 +126,17 @@ def test_rows_equal_sequential_decode_bitwise_on_the_default_model(smollm_dir):
     assert torch.equal(got, want)
 
 
+def test_verifier_refuses_logits_without_a_row_per_chain_token():
+    from arborlm.runtime.speculative.verify import DraftVerifier
+
+    verifier = DraftVerifier(8, lambda req: [])
+    reqs = [SimpleNamespace(rid="r")]
+    with pytest.raises(ValueError, match="full_logits"):
+        verifier.verify(reqs, [[1, 2]], torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="full_logits"):
+        verifier.verify(reqs, [[1, 2]], None)
+
+
 def test_quantized_kv_and_triton_keep_the_extend_chains(tiny_llama_dir):
     """The backends whose decode path does not take verify rows keep the chains."""
     fp8 = load_model(tiny_llama_dir, torch.float32, CPU, kv_cache_dtype="fp8_e5m2")
@@ -168,3 +179,29 @@ def test_bfloat16_greedy_ngram_equals_speculation_off_on_the_default_model(smoll
         assert on.tokens == off.tokens, text
         assert on.steps < off.steps
     assert sched.get_info()["spec_num_accepted_tokens"] > 0
+
+
+def test_verify_rows_travel_to_other_tensor_parallel_ranks(tiny_llama_dir):
+    """What rank 0 broadcasts of a TARGET_VERIFY step (`ForwardStep`, pickled) rebuilds the
+    same rows on another rank's pools (its req_to_token written from the message, a request's
+    row repeated), and that rank's forward gives rank 0's logits. (The Engine with tp_size=2
+    and NGRAM equals one rank without speculation as well; too slow to run here each time.)"""
+    import pickle
+
+    from arborlm.runtime.distributed.step_sync import ForwardStep
+
+    loaded = load_model(tiny_llama_dir, torch.float32, CPU)
+    harness, reqs = _prefilled(loaded.model, loaded.hf_config, torch.float32, prompt_lens=(9, 20))
+    rows = verify_rows(_chains(harness, reqs, [[5, 6, 7], [8]]))
+    other = ModelHarness(loaded.model, loaded.hf_config)
+    other.token_to_kv_pool.k_buffer.copy_(harness.token_to_kv_pool.k_buffer)
+    other.token_to_kv_pool.v_buffer.copy_(harness.token_to_kv_pool.v_buffer)
+    message = pickle.loads(pickle.dumps(ForwardStep.from_batch(rows)))
+    rebuilt = message.to_batch(other.req_to_token_pool, other.token_to_kv_pool)
+    assert rebuilt.forward_mode is ForwardMode.TARGET_VERIFY and rebuilt.batch_size == 6
+    assert rebuilt.seq_lens_cpu == rows.seq_lens_cpu and torch.equal(rebuilt.req_pool_indices, rows.req_pool_indices)
+    for r in set(rows.req_pool_indices.tolist()):
+        n = max(rows.seq_lens_cpu)
+        assert torch.equal(other.req_to_token_pool.req_to_token[r, :n], harness.req_to_token_pool.req_to_token[r, :n])
+    want = loaded.model.forward(rows).full_logits
+    assert torch.equal(loaded.model.forward(rebuilt).full_logits, want)
