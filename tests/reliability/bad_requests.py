@@ -231,7 +231,8 @@ CASES: list[Case] = [
     Case("regex a number", "/generate", {"text": "x", "sampling_params": {"regex": 5}}, param="regex"),
     Case("grammar that never ends", "/generate", {"text": "x", "sampling_params": {"ebnf": "root ::= root"}},
          param="ebnf"),
-    Case("ebnf does not parse", "/v1/completions", {"prompt": "x", "ebnf": "root ::= "}, param="ebnf"),
+    # unbalanced: neither xgrammar's GBNF nor llguidance's (`root ::= ` is the empty string to llguidance)
+    Case("ebnf does not parse", "/v1/completions", {"prompt": "x", "ebnf": 'root ::= ("a"'}, param="ebnf"),
     Case("bad structural tag", "/generate", {"text": "x", "sampling_params": {"structural_tag": {"bogus": 1}}},
          param="structural_tag"),
     Case("json_schema given as response_format's wrapper", "/v1/chat/completions",
@@ -239,8 +240,9 @@ CASES: list[Case] = [
     Case("generate json_schema given as the wrapper", "/generate",
          {"text": "x", "sampling_params": {"json_schema": _WRAPPER}}, param="json_schema"),
     # ---- other servers' constraint fields ----------------------------------------------------------------
-    Case("guided_grammar in Lark", "/v1/chat/completions",
-         {"messages": MESSAGES, "guided_grammar": 'start: "a" | "b"'}, param="guided_grammar"),
+    # Lark is served on the default backend (auto gives it to llguidance); this one does not parse
+    Case("guided_grammar in broken Lark", "/v1/chat/completions",
+         {"messages": MESSAGES, "guided_grammar": 'start: ("a" | "b"'}, param="guided_grammar"),
     Case("guided_regex does not parse", "/v1/completions", {"prompt": "x", "guided_regex": "(a+"},
          param="guided_regex"),
     Case("guided_choice empty", "/v1/completions", {"prompt": "x", "guided_choice": []}, param="guided_choice"),
