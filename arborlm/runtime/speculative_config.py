@@ -47,6 +47,12 @@ class SpeculativeConfig:
     speculative_disable_by_batch_size: int = field(
         default=16, metadata={"help": "no drafting while this many requests or more decode (0: never off)"}
     )
+    speculative_adaptive: bool = field(
+        default=True,
+        metadata={"help": "cost-aware switch: a decode step drafts only the tokens that raise the expected "
+                          "tokens per second, from measured step times and acceptance (off: every draft "
+                          "found is verified, below speculative_disable_by_batch_size)"},
+    )
 
     def __post_init__(self):
         _check_types(self)

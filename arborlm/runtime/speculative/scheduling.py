@@ -10,11 +10,12 @@ chain per request (its last token, then its draft). After the worker verified
 one by one (finish checks, stop strings and `max_new_tokens` cut them exactly),
 keeps their KV in the row and frees the rest at once (`rejected_slots`).
 
-Adaptive off-switch: no drafting at all while the decode batch holds
+Adaptive switch: no drafting at all while the decode batch holds
 ``speculative_disable_by_batch_size`` requests or more (a large batch is
-compute-bound, and verify work is then no longer free); per request, a draft
-wholly rejected doubles the number of steps it waits before drafting again
-(up to `MAX_BACKOFF_STEPS`), and an accepted one resets it.
+compute-bound, and verify work is then no longer free); below that, the
+cost-aware `adaptive.AdaptivePolicy` decides how many of the proposed draft
+tokens each request takes (0: none), from each request's measured acceptance
+and the measured times of plain decode and verify steps.
 """
 
 from __future__ import annotations
@@ -26,10 +27,8 @@ import torch
 from arborlm.runtime.config import SpeculativeConfig
 from arborlm.runtime.forward_batch_info import ForwardBatch, ForwardMode
 from arborlm.runtime.schedule_batch import Req
+from arborlm.runtime.speculative.adaptive import AcceptanceEstimate, AdaptivePolicy
 from arborlm.runtime.speculative.ngram import NgramDrafter, PromptLookupIndex
-
-# Longest pause (decode steps) of a request whose drafts keep failing.
-MAX_BACKOFF_STEPS = 16
 
 
 @dataclass
@@ -37,8 +36,7 @@ class SpecReqState:
     """Drafting state of one request (kept on `Req.spec_state`)."""
 
     index: PromptLookupIndex | None  # NGRAM's prompt lookup (None for a draft model)
-    wait_steps: int = 0  # steps left before it drafts again
-    backoff: int = 0  # the pause after its next wholly rejected draft
+    acceptance: AcceptanceEstimate  # its draft tokens' estimated acceptance rate
     last_draft_len: int = 0
 
 
@@ -52,6 +50,7 @@ class SpecStats:
     num_emitted_tokens: int = 0  # tokens the verify steps emitted (accepted drafts + one each)
     num_verified_reqs: int = 0  # request-steps verified
     num_skipped_batches: int = 0  # decode steps left undrafted by the batch-size switch
+    num_cost_skipped_batches: int = 0  # decode steps with drafts the cost-aware switch did not take
     num_draft_forward_steps: int = 0  # STANDALONE: draft model steps (prefill, catch-up and decode)
 
     def as_dict(self) -> dict[str, float]:
@@ -64,6 +63,7 @@ class SpecStats:
             "spec_accept_rate": rate,
             "avg_spec_accept_length": accept_length,  # SGLang's name
             "spec_num_skipped_batches": self.num_skipped_batches,
+            "spec_num_cost_skipped_batches": self.num_cost_skipped_batches,
             "spec_num_draft_forward_steps": self.num_draft_forward_steps,
         }
 
@@ -76,11 +76,13 @@ class Speculator:
     ----------
     config: the speculative settings (`SpeculativeConfig`, algorithm NGRAM).
     context_length: max tokens of one request (drafts never run past it).
+    policy: the cost-aware switch (its clock is injectable for tests).
     """
 
     config: SpeculativeConfig
     context_length: int
     stats: SpecStats = field(default_factory=SpecStats)
+    policy: AdaptivePolicy = field(default_factory=AdaptivePolicy)
 
     def __post_init__(self):
         cfg = self.config
@@ -94,16 +96,45 @@ class Speculator:
         free_slots: KV slots the step may take beyond one per request; drafts
         are cut so their total fits.
         """
-        limit = self.config.speculative_disable_by_batch_size
-        if limit and len(reqs) >= limit:
-            self.stats.num_skipped_batches += 1
+        if self.batch_too_large(reqs):
             return None
         drafts = []
         for req in reqs:
             draft = self._draft(req, free_slots)
             free_slots -= len(draft)
             drafts.append(draft)
-        return drafts if any(drafts) else None
+        lens = self.plan(reqs, [len(d) for d in drafts])
+        for draft, n in zip(drafts, lens):
+            del draft[n:]
+        self.policy.start_step(self.policy.VERIFY if any(lens) else self.policy.DECODE, len(reqs) + sum(lens))
+        return drafts if any(lens) else None
+
+    def batch_too_large(self, reqs: list[Req]) -> bool:
+        """The batch-size switch: True (the step is timed as a plain decode) for a batch of
+        ``speculative_disable_by_batch_size`` requests or more."""
+        limit = self.config.speculative_disable_by_batch_size
+        if limit and len(reqs) >= limit:
+            self.stats.num_skipped_batches += 1
+            self.policy.start_step(self.policy.DECODE, len(reqs))
+            return True
+        return False
+
+    def plan(self, reqs: list[Req], max_lens: list[int]) -> list[int]:
+        """How many of its ``max_lens[i]`` draft tokens each request takes (`AdaptivePolicy.plan`);
+        a request that takes none counts a step without evidence (`AcceptanceEstimate.forget`)."""
+        states = [self._state(req) for req in reqs]
+        if self.config.speculative_adaptive:
+            sampled = [not req.sampling_params.is_greedy for req in reqs]
+            lens = self.policy.plan(max_lens, [s.acceptance.rate for s in states], sampled)
+        else:
+            lens = list(max_lens)
+        for state, n in zip(states, lens):
+            state.last_draft_len = n
+            if n == 0:
+                state.acceptance.forget()
+        if any(max_lens) and not any(lens):
+            self.stats.num_cost_skipped_batches += 1
+        return lens
 
     def _draft(self, req: Req, free_slots: int) -> list[int]:
         room = self.draft_room(req, free_slots)
@@ -112,28 +143,23 @@ class Speculator:
         draft = self.drafter.propose(req.spec_state.index, req.fill_ids, room)
         if req.grammar is not None:
             draft = grammatical_prefix(req.grammar, draft)
-        req.spec_state.last_draft_len = len(draft)
         return draft
 
     def draft_room(self, req: Req, free_slots: int) -> int:
-        """The longest draft ``req`` may take this step (<= 0: none), counting down its pause.
+        """The longest draft ``req`` may take this step (<= 0: none).
 
         The verify step emits up to len(draft) + 1 tokens: never past
         ``max_new_tokens`` or the context, and never more than ``free_slots``.
         """
+        self._state(req).last_draft_len = 0
         if req.to_abort or free_slots <= 0:
-            return 0
-        state = self._state(req)
-        state.last_draft_len = 0
-        if state.wait_steps > 0:
-            state.wait_steps -= 1
             return 0
         room = min(req.remaining_new_tokens, self.context_length - req.seqlen) - 1
         return min(room, free_slots)
 
     def _state(self, req: Req) -> SpecReqState:
         if req.spec_state is None:
-            req.spec_state = SpecReqState(self.drafter.new_index())
+            req.spec_state = SpecReqState(self.drafter.new_index(), self.policy.new_estimate())
         return req.spec_state
 
     def on_verified(self, req: Req, draft_len: int, num_emitted: int) -> None:
@@ -145,14 +171,8 @@ class Speculator:
         self.stats.num_draft_tokens += draft_len
         self.stats.num_accepted_draft_tokens += accepted
         self.stats.num_emitted_tokens += num_emitted
-        state = req.spec_state
-        if state is None or draft_len == 0:
-            return
-        if accepted == 0:
-            state.wait_steps = state.backoff
-            state.backoff = min(MAX_BACKOFF_STEPS, max(1, 2 * state.backoff))
-        else:
-            state.backoff = 0
+        if req.spec_state is not None:
+            req.spec_state.acceptance.observe(draft_len, accepted)
 
     def on_finished(self, req: Req) -> None:
         """Index a finished request's output for the others and drop its drafting state."""
@@ -161,7 +181,9 @@ class Speculator:
         req.spec_state = None
 
     def on_step_end(self) -> None:
-        """Called after every scheduler step (n-gram drafting keeps nothing to release)."""
+        """Called after every scheduler step: the step's time goes into the cost model
+        (n-gram drafting keeps nothing to release)."""
+        self.policy.end_step()
 
     def clear_cache_pool(self) -> None:
         """Forget what finished requests generated (the scheduler's ``flush_cache``, when no

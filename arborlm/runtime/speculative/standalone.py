@@ -2,8 +2,9 @@
 
 The scheduler's side of it. `DraftModelSpeculator` is the n-gram `Speculator`
 with another source of drafts: per decode step it works out how long a draft
-each request may take (its pause after rejections, ``max_new_tokens``, the
-context and the target's free KV slots, at most ``speculative_num_steps``),
+each request may take (``max_new_tokens``, the context and the target's free
+KV slots, at most ``speculative_num_steps``, and what the cost-aware switch
+allows, `adaptive.AdaptivePolicy`: decided before the draft model runs),
 asks the model worker's `DraftWorker` for them in one batch (a catch-up extend,
 then decode steps), cuts each before the first token its grammar rejects, and
 hands them to the same one-extend-step verify and acceptance as NGRAM
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class DraftModelSpeculator(Speculator):
-    """Drafts from a draft model (`DraftWorker`); statistics and pauses as `Speculator`'s.
+    """Drafts from a draft model (`DraftWorker`); statistics and the cost-aware switch as `Speculator`'s.
 
     Parameters
     ----------
@@ -47,19 +48,23 @@ class DraftModelSpeculator(Speculator):
         A draft model failure is logged and the step decodes without drafts;
         the requests' draft KV is dropped (they catch up on a later step).
         """
-        limit = self.config.speculative_disable_by_batch_size
-        if limit and len(reqs) >= limit:
-            self.stats.num_skipped_batches += 1
+        if self.batch_too_large(reqs):
             return None
         max_lens = []
         for req in reqs:
             room = max(0, min(self.num_steps, self.draft_room(req, free_slots)))
             free_slots -= room
             max_lens.append(room)
+        lens = self.plan(reqs, max_lens)  # before the draft model runs: its steps are the cost
+        if not any(lens):
+            self.policy.start_step(self.policy.DECODE, len(reqs))
+            return None
+        self.policy.start_step(self.policy.VERIFY, len(reqs) + sum(lens))
         try:
-            drafts = self.draft_worker.propose(reqs, max_lens)
+            drafts = self.draft_worker.propose(reqs, lens)
         except Exception:  # noqa: BLE001 - a failed draft must not fail the requests
             logger.exception("draft model step failed; decoding %d request(s) without drafts", len(reqs))
+            self.policy.timer.cancel()
             for req in reqs:
                 self.draft_worker.release(req)
             return None
@@ -69,11 +74,13 @@ class DraftModelSpeculator(Speculator):
             if req.grammar is not None:
                 draft[:] = grammatical_prefix(req.grammar, draft)
             self._state(req).last_draft_len = len(draft)
+        self.policy.timer.retag(self.policy.VERIFY if any(drafts) else self.policy.DECODE,
+                                len(reqs) + sum(map(len, drafts)))
         return drafts if any(drafts) else None
 
     def _state(self, req: Req) -> SpecReqState:
         if req.spec_state is None:
-            req.spec_state = SpecReqState(None)
+            req.spec_state = SpecReqState(None, self.policy.new_estimate())
         return req.spec_state
 
     def on_verified(self, req: Req, draft_len: int, num_emitted: int) -> None:
@@ -87,7 +94,9 @@ class DraftModelSpeculator(Speculator):
         req.spec_state = None
 
     def on_step_end(self) -> None:
-        """Release the draft KV of requests that ended this step by an abort or were retracted."""
+        """Time the step (`Speculator.on_step_end`) and release the draft KV of requests that
+        ended this step by an abort or were retracted."""
+        super().on_step_end()
         self.draft_worker.release_dead()
 
     def clear_cache_pool(self) -> None:

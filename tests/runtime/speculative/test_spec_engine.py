@@ -34,7 +34,10 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def spec_engine(tiny_llama_dir):
     engine = arborlm.Engine(model=str(tiny_llama_dir), dtype="float32", max_total_tokens=8192, random_seed=1234,
-                            log_level="warning", speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+                            log_level="warning", speculative_algorithm="NGRAM", speculative_num_draft_tokens=4,
+                            # Every draft verified: these tests need the verify path to run whatever
+                            # this machine's timings (the cost-aware switch has its own tests).
+                            speculative_adaptive=False)
     yield engine
     engine.shutdown()
 

@@ -8,6 +8,11 @@ checks the pool invariants after each step (`run_to_completion`), that each
 request reads only KV of its own tokens at its own positions, and that every
 KV slot and request row is back at the end; outputs must equal the script, so
 speculation may change how many steps a request takes, never its tokens.
+
+Time is scripted too: the worker advances a `ScriptedClock` by
+`scripted_step_seconds` of each step it runs, and the speculator's cost-aware
+switch reads that clock, so whether a step drafts never depends on this
+machine's speed.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import pytest
 from arborlm.runtime.config import ServerArgs
 from arborlm.runtime.model_worker import GenerationResult, ModelWorkerBatch
 from arborlm.runtime.scheduler import Scheduler
+from arborlm.runtime.speculative.adaptive import AdaptivePolicy
 from arborlm.runtime.speculative.verify import accept_greedy
 from tests.runtime.scheduler_helpers import (
     LetterTokenizer,
@@ -46,15 +52,37 @@ def prompt_for(rid: str) -> list[int]:
     return copy_script(rid, 24)
 
 
+class ScriptedClock:
+    """Seconds that pass only when the scripted worker says so (`advance`)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def scripted_step_seconds(num_rows: int) -> float:
+    """A step's scripted time: a fixed part (the weights read once) plus a part per row."""
+    return 0.010 + 0.001 * num_rows
+
+
 class SpecScriptedWorker(ScriptedWorker):
-    """`ScriptedWorker` that also verifies drafts (see the module docstring)."""
+    """`ScriptedWorker` that also verifies drafts (see the module docstring); each step
+    advances `clock` by ``step_seconds(rows)`` (rows: tokens the step runs)."""
 
     def __init__(self, server_args: ServerArgs, scripts: dict[str, list[int]]):
         super().__init__(server_args, scripts)
         self.num_verify_steps = 0
         self.fail_verify_at: set[int] = set()  # verify steps (1-based) that raise
+        self.clock = ScriptedClock()
+        self.step_seconds = scripted_step_seconds
 
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationResult:
+        self.clock.advance(self.step_seconds(len(batch.forward_batch.input_ids)))
         if batch.draft_tokens is None:
             return super().forward_batch_generation(batch)
         self.num_steps += 1
@@ -91,7 +119,10 @@ def create_spec_scheduler(scripts, **overrides) -> Scheduler:
                   speculative_num_draft_tokens=5)
     kwargs.update(overrides)
     server_args = ServerArgs.from_kwargs(**kwargs)
-    return Scheduler(server_args, worker=SpecScriptedWorker(server_args, scripts), tokenizer=LetterTokenizer())
+    sched = Scheduler(server_args, worker=SpecScriptedWorker(server_args, scripts), tokenizer=LetterTokenizer())
+    if sched.speculator is not None:
+        sched.speculator.policy = AdaptivePolicy(clock=sched.worker.clock)
+    return sched
 
 
 RIDS = [f"r{i}" for i in range(6)]

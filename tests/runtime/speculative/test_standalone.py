@@ -63,6 +63,8 @@ def random_draft(tiny_llama_dir, tmp_path_factory):
 
 
 def standalone(tiny_llama_dir, tiny_tokenizer, draft, num_steps=3, **overrides):
+    # Every draft verified (the cost-aware switch off): the counts below must not depend on timings.
+    overrides.setdefault("speculative_adaptive", False)
     return create_scheduler(tiny_llama_dir, tiny_tokenizer, speculative_algorithm="STANDALONE",
                             speculative_draft_model_path=str(draft), speculative_num_steps=num_steps, **overrides)
 

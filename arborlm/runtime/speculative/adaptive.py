@@ -1,0 +1,262 @@
+"""The cost-aware switch of speculation: draft only where the expected tokens per second win.
+
+Place in the request path: `Speculator.propose_drafts` (scheduling.py) asks
+`AdaptivePolicy.plan` how many draft tokens each request of a decode step may
+take, and times the step it built (from the proposal to the end of the
+scheduler step, `StepTimer`); the verify results update each request's
+acceptance estimate. The policy only decides whether and how much to draft;
+outputs stay those of speculation off.
+
+The rule is SmartSpec's goodput (Liu et al. 2024, "Optimizing Speculative
+Decoding for Serving Large Language Models Using Goodput", arXiv 2406.14066),
+over this engine's own measurements:
+
+* Per request, a token acceptance rate ``a`` (an exponentially weighted
+  estimate, `AcceptanceEstimate`). Taking draft tokens ``1..k`` it expects
+  ``1 + a + a^2 + ... + a^k`` tokens from the verify step (each draft token is
+  kept only if all before it were; Leviathan et al. 2023), so the j-th draft
+  token is worth ``a^j`` tokens.
+* Per kind of step, its wall time as a linear function of its rows
+  (`StepCostModel`): a plain decode step of ``B`` requests takes ``T_d(B)``, a
+  verify step of ``N`` rows (``B`` plus the draft tokens) ``T_v(N)``.
+* The step drafts the ``m`` draft tokens of highest worth (over all requests)
+  that maximise ``(B + sum of their worth) / T_v(B + m)``, and drafts nothing
+  when ``B / T_d(B)`` is at least as high.
+
+What is not measured yet is taken optimistically (no verify step timed yet:
+``T_v`` is taken as ``T_d``; no plain decode step timed: ``T_d(B)`` is taken
+as ``T_v(B)``; nothing timed at all: draft), so the first steps
+try drafting and measure it; the estimates then correct themselves, in both
+directions, from the steps they cause. A request whose drafts are rejected
+stops drafting; while it does not draft its estimate drifts back toward the
+prior (`AcceptanceEstimate.forget`), so a request that starts copying later is
+tried again, when the batch's cost allows it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig:
+    """Constants of the switch (dimensionless; decays are the weight kept per observation).
+
+    prior_rate, prior_weight: a new request's acceptance rate and how many draft
+        tokens' worth of evidence it counts as.
+    rate_decay: weight an acceptance estimate keeps per verify step of its request.
+    forget: per decode step a request is not verified, the share of its evidence kept
+        (the rest returns to the prior).
+    cost_decay: weight a step-time model keeps per step timed.
+    sampled_min_rate: the acceptance rate at or above which a sampled request drafts
+        (its choice is its own, see `AdaptivePolicy.plan`).
+    """
+
+    prior_rate: float = 0.6
+    prior_weight: float = 1.0
+    rate_decay: float = 0.7
+    forget: float = 0.95
+    cost_decay: float = 0.9
+    sampled_min_rate: float = 0.3
+
+    def __post_init__(self):
+        for name in ("prior_rate", "rate_decay", "forget", "cost_decay", "sampled_min_rate"):
+            value = getattr(self, name)
+            if not 0.0 < value < 1.0:
+                raise ValueError(f"{name}={value!r} must be in (0, 1)")
+        if self.prior_weight <= 0:
+            raise ValueError(f"prior_weight={self.prior_weight!r} must be > 0")
+
+
+@dataclass
+class AcceptanceEstimate:
+    """One request's draft token acceptance rate: accepted / tried, exponentially weighted.
+
+    A verify step with a draft of ``k`` tokens of which the first ``n`` were
+    accepted tried ``n + 1`` tokens (the first rejected one included) unless all
+    ``k`` were accepted: the maximum-likelihood count for the geometric model.
+    """
+
+    config: AdaptiveConfig
+    accepted: float = field(init=False)
+    tried: float = field(init=False)
+
+    def __post_init__(self):
+        self.accepted = self.config.prior_rate * self.config.prior_weight
+        self.tried = self.config.prior_weight
+
+    @property
+    def rate(self) -> float:
+        """The estimated probability that a draft token is accepted, in (0, 1)."""
+        return self.accepted / self.tried
+
+    def observe(self, draft_len: int, num_accepted: int) -> None:
+        """Count one verify step: ``num_accepted`` of ``draft_len`` draft tokens kept."""
+        if draft_len <= 0:
+            return
+        decay = self.config.rate_decay
+        self.accepted = decay * self.accepted + num_accepted
+        self.tried = decay * self.tried + min(draft_len, num_accepted + 1)
+
+    def forget(self) -> None:
+        """Move a step's share of the evidence back to the prior (a step without verifying)."""
+        keep, cfg = self.config.forget, self.config
+        self.accepted = keep * self.accepted + (1 - keep) * cfg.prior_rate * cfg.prior_weight
+        self.tried = keep * self.tried + (1 - keep) * cfg.prior_weight
+
+
+def expected_accepted(rate: float, draft_len: int) -> float:
+    """Expected accepted tokens of a ``draft_len`` draft at acceptance ``rate``:
+    ``rate + rate^2 + ... + rate^draft_len`` (Leviathan et al. 2023, without the bonus token)."""
+    return sum(rate ** j for j in range(1, draft_len + 1))
+
+
+class StepCostModel:
+    """Wall time of one kind of step as ``t = c0 + c1 * rows``, fitted by exponentially weighted
+    least squares (``cost_decay`` per observation; ``c1 >= 0``: more rows never cost less).
+
+    With every observation at (nearly) one row count the slope is not identified
+    and the estimate is their weighted mean time, whatever ``rows``.
+    """
+
+    def __init__(self, decay: float):
+        self.decay = decay
+        self._sums = [0.0] * 5  # sum of w, w*n, w*n^2, w*t, w*n*t
+
+    @property
+    def empty(self) -> bool:
+        return self._sums[0] == 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """Add one timed step of ``rows`` rows that took ``seconds``."""
+        n, t = float(rows), float(seconds)
+        self._sums = [self.decay * s + x for s, x in zip(self._sums, (1.0, n, n * n, t, n * t))]
+
+    def estimate(self, rows: int) -> float | None:
+        """Expected seconds of a step of ``rows`` rows; None before any observation."""
+        w, sn, snn, st, snt = self._sums
+        if w == 0.0:
+            return None
+        mean_n, mean_t = sn / w, st / w
+        var_n = snn / w - mean_n * mean_n
+        slope = (snt / w - mean_n * mean_t) / var_n if var_n > 0.25 else 0.0
+        slope = max(slope, 0.0)
+        return max(mean_t + slope * (rows - mean_n), 0.0)
+
+
+class StepTimer:
+    """Times one scheduler step from its proposal (`start`) to its end (`stop`) with ``clock``."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self._pending: tuple[str, int, float] | None = None
+
+    def start(self, kind: str, rows: int) -> None:
+        self._pending = (kind, rows, self.clock())
+
+    def retag(self, kind: str, rows: int) -> None:
+        """Say what the started step turned out to be (its start time stays)."""
+        if self._pending is not None:
+            self._pending = (kind, rows, self._pending[2])
+
+    def cancel(self) -> None:
+        """Drop the started step (a failed one is no measure of the cost)."""
+        self._pending = None
+
+    def stop(self) -> tuple[str, int, float] | None:
+        """(kind, rows, seconds) of the step started last, or None when none was started."""
+        if self._pending is None:
+            return None
+        kind, rows, t0 = self._pending
+        self._pending = None
+        return kind, rows, self.clock() - t0
+
+
+class AdaptivePolicy:
+    """Decides each decode step's draft lengths from measured step costs (module docstring).
+
+    Parameters
+    ----------
+    config: the switch's constants.
+    clock: seconds, monotonic (`time.perf_counter`; tests inject a scripted clock).
+    """
+
+    DECODE, VERIFY = "decode", "verify"
+
+    def __init__(self, config: AdaptiveConfig | None = None, clock: Callable[[], float] = time.perf_counter):
+        self.config = config or AdaptiveConfig()
+        self.costs = {kind: StepCostModel(self.config.cost_decay) for kind in (self.DECODE, self.VERIFY)}
+        self.timer = StepTimer(clock)
+
+    def new_estimate(self) -> AcceptanceEstimate:
+        """A new request's acceptance estimate (the prior)."""
+        return AcceptanceEstimate(self.config)
+
+    def plan(self, max_lens: Sequence[int], rates: Sequence[float],
+             sampled: Sequence[bool] | None = None) -> list[int]:
+        """The draft length of each request of a decode step (0: it does not draft).
+
+        Parameters
+        ----------
+        max_lens: per request, the longest draft it has or may take (tokens).
+        rates: per request, its estimated acceptance rate in (0, 1).
+        sampled: per request, whether it samples (temperature > 0). A sampled
+            request's draft changes which sample its seed draws (never the
+            distribution), so its choice must not depend on the batch or the
+            clock: it takes its whole draft while its own rate is at least
+            ``AdaptiveConfig.sampled_min_rate``, else none; the greedy requests'
+            drafts are planned around it.
+
+        Returns
+        -------
+        list[int]
+            ``k_i <= max_lens[i]``; the greedy requests' all 0 when drafting does
+            not raise the expected tokens per second.
+        """
+        batch = len(max_lens)
+        sampled = sampled or [False] * batch
+        lens = [k if s and rates[i] >= self.config.sampled_min_rate else 0
+                for i, (k, s) in enumerate(zip(max_lens, sampled))]
+        worth = sorted(((rates[i] ** j, i) for i, k in enumerate(max_lens) if not sampled[i]
+                        for j in range(1, k + 1)), reverse=True)
+        if not worth:
+            return lens
+        plain = self._decode_cost(batch)
+        if plain is None:
+            return [k if not s else n for k, s, n in zip(max_lens, sampled, lens)]  # nothing timed: try it
+        rows = batch + sum(lens)
+        tokens = batch + sum(expected_accepted(rates[i], k) for i, k in enumerate(lens))
+        base = plain if rows == batch else self._verify_cost(rows, plain)
+        best_m, best = 0, tokens / base if base > 0 else 0.0
+        for m, (value, _) in enumerate(worth, start=1):
+            tokens += value
+            cost = self._verify_cost(rows + m, plain)
+            if cost > 0 and tokens / cost > best:
+                best_m, best = m, tokens / cost
+        for _, i in worth[:best_m]:
+            lens[i] += 1
+        return lens
+
+    def _decode_cost(self, batch: int) -> float | None:
+        """T_d(batch); before any plain decode step is timed (every step drafted), a verify
+        step of as many rows (it runs the same tokens); None before any step is timed."""
+        cost = self.costs[self.DECODE].estimate(batch)
+        return cost if cost is not None else self.costs[self.VERIFY].estimate(batch)
+
+    def _verify_cost(self, rows: int, plain: float) -> float:
+        """T_v(rows); before any verify step is timed, the plain decode step's time."""
+        cost = self.costs[self.VERIFY].estimate(rows)
+        return plain if cost is None else cost
+
+    def start_step(self, kind: str, rows: int) -> None:
+        """The decode step just planned (``kind`` DECODE or VERIFY, its rows) starts now."""
+        self.timer.start(kind, rows)
+
+    def end_step(self) -> None:
+        """The scheduler step ended: add its time to its kind's cost model (if it was planned here)."""
+        timed = self.timer.stop()
+        if timed is not None:
+            kind, rows, seconds = timed
+            self.costs[kind].observe(rows, seconds)

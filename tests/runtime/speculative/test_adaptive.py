@@ -1,0 +1,185 @@
+"""The cost-aware switch (`adaptive.py`): its estimates and plans (tables), and the scheduler
+under it with scripted time.
+
+Scheduler runs use the scripted target of `test_spec_scheduler_fake_worker` and its
+`ScriptedClock`: every step advances the clock by a scripted function of the rows it
+runs, and the switch reads that clock, so a run's "wall time" is deterministic. The
+outputs must equal the script whatever the switch decides; what it decides shows in
+the scripted time of the run against speculation off.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from arborlm.runtime.speculative.adaptive import (
+    AcceptanceEstimate,
+    AdaptiveConfig,
+    AdaptivePolicy,
+    StepCostModel,
+    StepTimer,
+    expected_accepted,
+)
+from tests.runtime.scheduler_helpers import make_req, run_to_completion
+from tests.runtime.speculative.test_spec_scheduler_fake_worker import (
+    copy_script,
+    create_spec_scheduler,
+    prompt_for,
+)
+
+CFG = AdaptiveConfig()
+
+
+def test_acceptance_estimate_counts_tried_tokens():
+    est = AcceptanceEstimate(CFG)
+    assert est.rate == pytest.approx(CFG.prior_rate)
+    est.observe(draft_len=6, num_accepted=0)  # one token tried, rejected
+    assert est.rate == pytest.approx(0.7 * 0.6 / (0.7 + 1))
+    est.observe(draft_len=6, num_accepted=6)  # all six tried and kept
+    low = 0.7 * 0.6 / 1.7
+    assert est.rate == pytest.approx((0.7 * 0.7 * 0.6 + 6) / (0.7 * 1.7 + 6))
+    assert est.rate > low
+    est.observe(draft_len=0, num_accepted=0)  # no draft: no evidence
+    before = est.rate
+    for _ in range(200):
+        est.forget()
+    assert est.rate == pytest.approx(CFG.prior_rate, abs=1e-3)
+    assert before != est.rate
+
+
+@pytest.mark.parametrize("points, rows, want", [
+    ([(1, 0.010), (3, 0.030), (5, 0.050)], 4, 0.040),  # exact line through the origin
+    ([(2, 0.012), (6, 0.016)], 10, 0.020),  # extrapolated along the slope
+    ([(4, 0.020), (4, 0.030)], 40, None),  # one row count: the weighted mean, whatever the rows
+    ([(1, 0.050), (8, 0.010)], 8, None),  # a falling fit is clamped flat: the weighted mean
+])
+def test_step_cost_model(points, rows, want):
+    model = StepCostModel(decay=0.9)
+    assert model.empty and model.estimate(rows) is None
+    for n, t in points:
+        model.observe(n, t)
+    if want is None:
+        weights = [0.9 ** (len(points) - 1 - i) for i in range(len(points))]
+        want = sum(w * t for w, (_, t) in zip(weights, points)) / sum(weights)
+    assert model.estimate(rows) == pytest.approx(want)
+
+
+def test_expected_accepted():
+    assert expected_accepted(0.5, 0) == 0
+    assert expected_accepted(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
+
+
+def policy_with(decode, verify) -> AdaptivePolicy:
+    """A policy whose cost models saw decode steps ``[(rows, s)]`` and verify steps ``[(rows, s)]``."""
+    policy = AdaptivePolicy()
+    for rows, s in decode:
+        policy.costs[policy.DECODE].observe(rows, s)
+    for rows, s in verify:
+        policy.costs[policy.VERIFY].observe(rows, s)
+    return policy
+
+
+BANDWIDTH_BOUND = dict(decode=[(4, 0.0204), (8, 0.0208)], verify=[(8, 0.0208), (40, 0.024)])  # 20 ms + 0.1 ms/row
+COMPUTE_BOUND = dict(decode=[(4, 0.041), (8, 0.081)], verify=[(8, 0.081), (40, 0.401)])  # 1 ms + 10 ms/row
+
+
+@pytest.mark.parametrize("costs, max_lens, rates, sampled, want", [
+    (dict(decode=[], verify=[]), [3, 0, 5], [0.1, 0.9, 0.1], None, [3, 0, 5]),  # nothing timed: try all
+    (BANDWIDTH_BOUND, [4, 4, 4, 4], [0.9] * 4, None, [4, 4, 4, 4]),  # rows nearly free, drafts good
+    (COMPUTE_BOUND, [4, 4, 4, 4], [0.9] * 4, None, [0, 0, 0, 0]),  # each row costs a step's worth
+    (BANDWIDTH_BOUND, [4, 4, 0, 4], [0.9, 0.005, 0.9, 0.9], None, [4, 0, 0, 4]),  # the hopeless one is left out
+    (BANDWIDTH_BOUND, [6, 0, 0, 0], [0.05, 0.5, 0.5, 0.5], None, [1, 0, 0, 0]),  # a poor draft's tail is cut
+    (COMPUTE_BOUND, [4, 4, 0, 0], [0.5, 0.9, 0.2, 0.2], [True, False, False, False], [4, 3, 0, 0]),  # sampled: own rate
+    (BANDWIDTH_BOUND, [4, 4, 0, 0], [0.2, 0.9, 0.2, 0.2], [True, False, False, False], [0, 4, 0, 0]),
+])
+def test_plan(costs, max_lens, rates, sampled, want):
+    assert policy_with(**costs).plan(max_lens, rates, sampled) == want
+
+
+def test_plan_before_any_verify_step_takes_verify_as_cheap_as_decode():
+    policy = policy_with(decode=[(2, 0.02), (4, 0.04)], verify=[])
+    assert policy.plan([3, 3], [0.5, 0.5]) == [3, 3]
+
+
+def test_step_timer_with_an_injected_clock():
+    now = [10.0]
+    timer = StepTimer(lambda: now[0])
+    assert timer.stop() is None
+    timer.start("verify", 9)
+    now[0] += 0.5
+    timer.retag("decode", 4)
+    assert timer.stop() == ("decode", 4, 0.5)
+    timer.start("verify", 9)
+    timer.cancel()
+    assert timer.stop() is None
+
+
+def test_bad_config():
+    with pytest.raises(ValueError, match="rate_decay"):
+        AdaptiveConfig(rate_decay=1.5)
+    with pytest.raises(ValueError, match="prior_weight"):
+        AdaptiveConfig(prior_weight=0)
+
+
+# ---- the scheduler under scripted time ----------------------------------------------------------
+
+RIDS = [f"r{i}" for i in range(6)]
+
+
+def misleading_script(rid: str, length: int = 60) -> list[int]:
+    """``A B x1 A B x2 ...``: after every ``A B`` prompt lookup drafts what followed the last
+    ``A B``, which is always wrong (free-form text that repeats short phrases)."""
+    a, b = 10 + 2 * int(rid[1:]), 11 + 2 * int(rid[1:])
+    out: list[int] = []
+    x = 500 + 100 * int(rid[1:])
+    while len(out) < length:
+        out += [a, b, x]
+        x += 1
+    return out[:length]
+
+
+def scripted_run(scripts, prompts, step_seconds, max_new_tokens, **overrides):
+    """Run every request; return (tokens per request, the run's scripted seconds, info)."""
+    sched = create_spec_scheduler(scripts, **overrides)
+    sched.worker.step_seconds = step_seconds
+    reqs = [make_req(rid, prompts[rid], max_new_tokens=max_new_tokens, ignore_eos=True) for rid in scripts]
+    result = run_to_completion(sched, reqs)
+    assert sched.worker.kv_errors == []
+    return result.tokens, sched.worker.clock.now, sched.get_info()
+
+
+def bandwidth_bound(rows: int) -> float:
+    return 0.020 + 0.002 * rows
+
+
+def compute_bound(rows: int) -> float:
+    return 0.001 + 0.010 * rows
+
+
+@pytest.mark.parametrize("workload, step_seconds, on_vs_off, switch_off_vs_off", [
+    # Copy-heavy, rows nearly cheap: drafting wins, with the switch as much as without it.
+    ("copy", bandwidth_bound, (0.0, 0.85), (0.0, 0.85)),
+    # Drafts always wrong: the switch stops them (within 10 % of off); without it, a loss.
+    ("misleading", bandwidth_bound, (0.0, 1.10), (1.2, 9.0)),
+    # Every row costs a step's worth: the switch keeps (nearly) every step plain.
+    ("copy", compute_bound, (0.0, 1.05), (1.08, 9.0)),
+])
+def test_the_switch_never_loses_much_and_keeps_outputs(workload, step_seconds, on_vs_off, switch_off_vs_off):
+    """Scripted seconds of speculation on (cost-aware switch), off, and on without the switch
+    (``speculative_adaptive=False``): the same tokens; on / off within ``on_vs_off``,
+    switch-off / off within ``switch_off_vs_off``."""
+    make = copy_script if workload == "copy" else misleading_script
+    scripts = {rid: make(rid) for rid in RIDS}
+    prompts = {rid: (prompt_for(rid) if workload == "copy" else scripts[rid][:7]) for rid in RIDS}
+    off_tokens, off_s, _ = scripted_run(scripts, prompts, step_seconds, 50, speculative_algorithm=None)
+    on_tokens, on_s, info = scripted_run(scripts, prompts, step_seconds, 50)
+    raw_tokens, raw_s, _ = scripted_run(scripts, prompts, step_seconds, 50, speculative_adaptive=False)
+    want = {rid: scripts[rid][:50] for rid in RIDS}
+    assert off_tokens == on_tokens == raw_tokens == want
+    assert on_vs_off[0] <= on_s / off_s <= on_vs_off[1], on_s / off_s
+    assert switch_off_vs_off[0] <= raw_s / off_s <= switch_off_vs_off[1], raw_s / off_s
+    assert on_s <= 1.05 * raw_s or on_s <= 1.05 * off_s  # never much worse than the better of the two
+    if on_vs_off[1] < 1:
+        assert info["spec_num_accepted_tokens"] > 0
+    else:
+        assert info["spec_num_cost_skipped_batches"] > 0
