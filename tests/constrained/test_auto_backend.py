@@ -47,6 +47,7 @@ def spec_of(schema, backend: str = "auto", lenient: bool = False):
 def test_auto_is_a_grammar_backend_choice():
     assert "auto" in GRAMMAR_BACKEND_NAMES
     assert GrammarConfig(grammar_backend="auto").grammar_backend == "auto"
+    assert GrammarConfig().grammar_backend == "auto"  # the default (docs/structured_output.md says why)
 
 
 @pytest.mark.parametrize(("schema", "backend"), [
@@ -180,3 +181,25 @@ def test_a_constraint_after_reasoning_goes_to_xgrammar_or_says_it_needs_it():
     with pytest.raises(GrammarError, match="goes to the llguidance backend; xgrammar must accept it") as info:
         after_reasoning(spec, reasoning, resolved_backend(spec.key.backend, "auto"))
     assert info.value.param == "json_schema"
+
+
+def test_tool_calls_under_auto_compile_on_xgrammar():
+    from arborlm.entrypoints.http_errors import APIError
+    from arborlm.entrypoints.openai.protocol import ChatCompletionRequest
+    from arborlm.entrypoints.openai.tool_calls import add_tool_grammar, plan_tools
+
+    def request(parameters):
+        return ChatCompletionRequest.model_validate({
+            "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": parameters, "strict": True}}]})
+
+    plan = plan_tools(request(EVERYWHERE), "auto")
+    spec = grammar_spec_from_params(SamplingParams(**add_tool_grammar({}, plan)), "auto")
+    assert spec.key.kind == "structural_tag" and resolved_backend(spec.key.backend, "auto") == "xgrammar"
+    AutoGrammarBackend.check(spec.key)
+    # the calls' grammar is xgrammar's structural tag: a strict argument schema only llguidance
+    # enforces whole is a 400 (without strict, xgrammar drops the decimal multipleOf and the
+    # arguments are validated)
+    with pytest.raises(APIError) as info:
+        plan_tools(request(ONLY_LLGUIDANCE), "auto")
+    assert info.value.status == 400 and info.value.param == "tools[0].function.parameters"
