@@ -18,7 +18,12 @@ Workloads (chat-templated prompts for the default SmolLM2-135M-Instruct):
 * ``copy``: repeat a given passage word for word (RAG answers that quote);
 * ``json``: extract fields of a given record as JSON under a JSON schema;
 * ``code``: rewrite a given function with one variable renamed;
-* ``chat``: free-form answers to open questions (little to copy).
+* ``chat``: free-form answers to open questions (little to copy);
+* ``agent``: the ReAct loop of ``bench_serving.py`` (``benchmarks/serving/workloads.py``):
+  per client a session of ``--agent-steps`` dependent calls (a shared system prompt
+  listing the tools, the question, then each answer and a tool observation appended),
+  each call stopping at "Observation:". A cell of batch B runs B sessions as B
+  clients in lock step: each wave sends every session's next call in one batch.
 
 Per cell and method: output tok/s (completion tokens / wall time of the batch),
 TPOT p50/p95 ((e2e - ttft) / (tokens - 1) per request), the mean accept length
@@ -33,15 +38,22 @@ Timing runs take /tmp/arborlm-timing.lock::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import arborlm
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import arborlm  # noqa: E402
+from benchmarks.serving.workloads import Session, WorkloadSpec, iter_sessions  # noqa: E402
 
 SENTENCES = [
     "The radix cache keeps every prompt prefix it has seen, so a second call with the same system prompt starts at once.",
@@ -94,30 +106,75 @@ def workload_prompts(engine, workload: str, n: int, seed: int) -> tuple[list[str
     return prompts, extra
 
 
-def run_cell(engine, prompts: list[str], params: dict[str, Any]) -> dict[str, Any]:
+def run_cell(engine, prompts: list[str], params: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any]:
     """One batch through one engine: throughput, TPOT per request, accept length, output ids."""
     before = engine.get_server_info()
     start = time.perf_counter()
     outs = engine.generate(prompts, params)
     wall = time.perf_counter() - start
     after = engine.get_server_info()
-    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     tpot = [(o["meta_info"]["e2e_latency"] - o["meta_info"]["ttft"]) / (o["meta_info"]["completion_tokens"] - 1)
             for o in outs if o["meta_info"]["completion_tokens"] > 1 and o["meta_info"]["ttft"] is not None]
-    verified = after.get("spec_num_verify_steps", 0) - before.get("spec_num_verify_steps", 0)
-    accepted = after.get("spec_num_accepted_tokens", 0) - before.get("spec_num_accepted_tokens", 0)
-    spec_reqs = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
+
+    def delta(key: str) -> float:
+        return after.get(key, 0) - before.get(key, 0)
+
+    return summarise_cell({
+        "wall_s": wall, "tokens": sum(o["meta_info"]["completion_tokens"] for o in outs), "tpot_s": tpot,
+        "spec_reqs": sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs),
+        "accepted": delta("spec_num_accepted_tokens"), "verify_steps": delta("spec_num_verify_steps"),
+        "steps": delta("num_decode_steps") + delta("num_extend_steps"),
+        "draft_steps": delta("spec_num_draft_forward_steps"),
+        "output_ids": [o["output_ids"] for o in outs], "texts": [o["text"] for o in outs],
+    })
+
+
+def summarise_cell(raw: dict[str, Any]) -> dict[str, Any]:
+    """The figures of one cell from its raw counts (`run_cell`'s, or several waves' summed)."""
+    tpot = sorted(raw["tpot_s"])
     return {
-        "tok_s": tokens / wall, "wall_s": wall, "tokens": tokens,
+        **raw, "tok_s": raw["tokens"] / raw["wall_s"],
         "tpot_p50_ms": 1e3 * statistics.median(tpot) if tpot else 0.0,
-        "tpot_p95_ms": 1e3 * sorted(tpot)[max(0, round(0.95 * len(tpot)) - 1)] if tpot else 0.0,
-        "accept_len": (spec_reqs + accepted) / spec_reqs if spec_reqs else 1.0,
-        "verify_steps": verified,
-        "steps": (after["num_decode_steps"] + after["num_extend_steps"]
-                  - before["num_decode_steps"] - before["num_extend_steps"]),
-        "draft_steps": after.get("spec_num_draft_forward_steps", 0) - before.get("spec_num_draft_forward_steps", 0),
-        "output_ids": [o["output_ids"] for o in outs],
+        "tpot_p95_ms": 1e3 * tpot[max(0, round(0.95 * len(tpot)) - 1)] if tpot else 0.0,
+        "accept_len": (raw["spec_reqs"] + raw["accepted"]) / raw["spec_reqs"] if raw["spec_reqs"] else 1.0,
     }
+
+
+def agent_sessions(engine, n: int, seed: int, args) -> list[Session]:
+    """``n`` sessions of bench_serving's agent workload, sized by ``args`` (tokens)."""
+    spec = WorkloadSpec("agent", output_len=args.max_new_tokens, system_len=args.agent_system_len,
+                        question_len=args.agent_question_len, observation_len=args.agent_question_len,
+                        agent_steps=args.agent_steps)
+
+    def count(text: str) -> int:
+        return len(engine.tokenizer.encode(text, add_special_tokens=False))
+
+    return list(itertools.islice(iter_sessions(spec, count, seed), n))
+
+
+def run_agent_cell(engine, sessions: list[Session], params: dict[str, Any]) -> dict[str, Any]:
+    """The sessions as concurrent clients in lock step: each wave is one batch of every live
+    session's next call (its chat messages, ``max_tokens`` and stop strings); the answers' texts
+    feed the next calls. Figures are those of all waves together (wall time summed)."""
+    scripts = [s.start() for s in sessions]
+    calls = {i: next(script) for i, script in enumerate(scripts)}
+    total: dict[str, Any] = {"wall_s": 0.0, "tokens": 0, "tpot_s": [], "spec_reqs": 0, "accepted": 0,
+                             "verify_steps": 0, "steps": 0, "draft_steps": 0,
+                             "output_ids": [[] for _ in sessions]}
+    while calls:
+        order = sorted(calls)
+        prompts = [engine.apply_chat_template(list(calls[i].messages)) for i in order]
+        wave = run_cell(engine, prompts, [{**params, "max_new_tokens": calls[i].max_tokens,
+                                           "stop": list(calls[i].stop)} for i in order])
+        for key in ("wall_s", "tokens", "tpot_s", "spec_reqs", "accepted", "verify_steps", "steps", "draft_steps"):
+            total[key] += wave[key]
+        for i, ids, text in zip(order, wave["output_ids"], wave["texts"]):
+            total["output_ids"][i] += ids
+            try:
+                calls[i] = scripts[i].send(text)
+            except StopIteration:
+                del calls[i]
+    return summarise_cell(total)
 
 
 def make_truncated_draft(model: str | None, num_layers: int, folder: Path) -> Path:
@@ -162,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="checkpoint (default: the default model)")
     ap.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 (float32 keeps greedy identity exact)")
     ap.add_argument("--quantization", default=None, help="gguf | none (default: the model's)")
-    ap.add_argument("--workloads", nargs="+", default=["copy", "json", "code", "chat"])
+    ap.add_argument("--workloads", nargs="+", default=["copy", "json", "code", "chat", "agent"],
+                    choices=["copy", "json", "code", "chat", "agent"])
     ap.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 8, 32])
     ap.add_argument("--methods", nargs="+", default=["ngram", "standalone"], choices=["ngram", "standalone"],
                     help="what is compared with speculation off")
@@ -172,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-steps", type=int, default=3, help="STANDALONE: speculative_num_steps")
     ap.add_argument("--draft-layers", type=int, default=4, help="STANDALONE: decoder layers kept in the draft")
     ap.add_argument("--draft-self", action="store_true", help="also STANDALONE with the target as its own draft")
+    ap.add_argument("--agent-steps", type=int, default=3, help="agent: calls per session")
+    ap.add_argument("--agent-system-len", type=int, default=256, help="agent: system prompt tokens (the tools)")
+    ap.add_argument("--agent-question-len", type=int, default=32, help="agent: question and observation tokens")
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--markdown-out", default=None)
     args = ap.parse_args(argv)
@@ -202,16 +263,25 @@ def bench(engines: dict[str, Any], args) -> list[dict[str, Any]]:
     rows = []
     for workload in args.workloads:
         for batch in args.batch_sizes:
-            prompts, extra = workload_prompts(engines["off"], workload, batch, seed=batch)
+            run = cell_runner(engines["off"], workload, batch, params, args)
             cells: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
             for r in range(args.rounds):
                 for name in names[r % len(names):] + names[: r % len(names)]:
-                    engines[name].flush_cache()  # each run prefills its prompts itself
-                    cells[name].append(run_cell(engines[name], prompts, {**params, **extra}))
+                    engines[name].flush_cache()  # each run prefills its prompts (and drafts) itself
+                    cells[name].append(run(engines[name]))
             for name in names[1:]:
                 rows.append(summarise(workload, batch, name, cells))
                 print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def cell_runner(engine, workload: str, batch: int, params: dict[str, Any], args):
+    """The function running one (workload, batch) cell on an engine (the same prompts for every engine)."""
+    if workload == "agent":
+        sessions = agent_sessions(engine, batch, batch, args)
+        return lambda e: run_agent_cell(e, sessions, params)
+    prompts, extra = workload_prompts(engine, workload, batch, seed=batch)
+    return lambda e: run_cell(e, prompts, {**params, **extra})
 
 
 def summarise(workload: str, batch: int, name: str, cells: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
