@@ -98,3 +98,38 @@ def test_grammatical_prefix_leaves_the_matcher_as_it_was(draft, want):
     matcher.accept_token(10)
     assert grammatical_prefix(matcher, draft) == want
     assert matcher.history == [10] and not matcher.ended
+
+
+def copy_trace(prompt: list[int], answer: list[int], min_match: int, max_match: int, k: int) -> list[int]:
+    """The draft length of each verify step of a perfect (greedy, script-following) target
+    answering ``answer`` to ``prompt`` with prompt lookup alone (the per-step trace bench_spec's
+    batch-1 copy cell was diagnosed with on SmolLM2, see docs/speculative.md)."""
+    drafter = NgramDrafter(min_match, max_match, capacity=0, num_draft_tokens=k)
+    index = drafter.new_index()
+    out = [answer[0]]  # the prefill's token
+    trace = []
+    while len(out) < len(answer):
+        draft = drafter.propose(index, prompt + out, len(answer) - len(out) - 1)
+        n = accept_greedy(draft, answer[len(out): len(out) + len(draft) + 1])
+        trace.append(len(draft))
+        out += answer[len(out): len(out) + n]
+    return trace
+
+
+PASSAGE = list(range(100, 140))  # 40 tokens, no n-gram repeated
+
+
+@pytest.mark.parametrize("preamble, min_match, max_match, k, want", [
+    # A word-for-word copy drafts at every step once min_match tokens of it are out (the
+    # first comes from the prefill): min_match - 1 undrafted steps, then full drafts; the
+    # last draft is cut to the tokens left.
+    ([], 2, 4, 6, [0, 6, 6, 6, 6, 6, 2]),
+    ([], 1, 1, 6, [6, 6, 6, 6, 6, 3]),
+    ([], 3, 4, 6, [0, 0, 6, 6, 6, 6, 6, 1]),
+    # "Sure: " before the copy: no draft until min_match tokens of the copy are out.
+    ([7, 8], 2, 4, 6, [0, 0, 0, 6, 6, 6, 6, 6, 2]),
+])
+def test_a_copy_drafts_at_every_step(preamble, min_match, max_match, k, want):
+    """No undrafted step inside a copy: each step's draft is the rest of the passage."""
+    prompt = [1, 2, 3] + PASSAGE + [4, 5]
+    assert copy_trace(prompt, preamble + PASSAGE, min_match, max_match, k) == want
