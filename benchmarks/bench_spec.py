@@ -25,6 +25,11 @@ Workloads (chat-templated prompts for the default SmolLM2-135M-Instruct):
   each call stopping at "Observation:". A cell of batch B runs B sessions as B
   clients in lock step: each wave sends every session's next call in one batch.
 
+A cell of a batch smaller than ``--min-prompts`` (4) runs that many prompts in
+consecutive batches (batch 1: four prompts one after another), so a batch-1
+figure does not hang on one prompt (on SmolLM2 some "repeat this passage"
+prompts are paraphrased, not copied).
+
 Per cell and method: output tok/s (completion tokens / wall time of the batch),
 TPOT p50/p95 ((e2e - ttft) / (tokens - 1) per request), the mean accept length
 (tokens emitted per request and verify step), target forward steps, draft
@@ -158,22 +163,31 @@ def run_agent_cell(engine, sessions: list[Session], params: dict[str, Any]) -> d
     feed the next calls. Figures are those of all waves together (wall time summed)."""
     scripts = [s.start() for s in sessions]
     calls = {i: next(script) for i, script in enumerate(scripts)}
-    total: dict[str, Any] = {"wall_s": 0.0, "tokens": 0, "tpot_s": [], "spec_reqs": 0, "accepted": 0,
-                             "verify_steps": 0, "steps": 0, "draft_steps": 0,
-                             "output_ids": [[] for _ in sessions]}
+    waves, ids = [], [[] for _ in sessions]
     while calls:
         order = sorted(calls)
         prompts = [engine.apply_chat_template(list(calls[i].messages)) for i in order]
-        wave = run_cell(engine, prompts, [{**params, "max_new_tokens": calls[i].max_tokens,
-                                           "stop": list(calls[i].stop)} for i in order])
-        for key in ("wall_s", "tokens", "tpot_s", "spec_reqs", "accepted", "verify_steps", "steps", "draft_steps"):
-            total[key] += wave[key]
-        for i, ids, text in zip(order, wave["output_ids"], wave["texts"]):
-            total["output_ids"][i] += ids
+        waves.append(run_cell(engine, prompts, [{**params, "max_new_tokens": calls[i].max_tokens,
+                                                 "stop": list(calls[i].stop)} for i in order]))
+        for i, out_ids, text in zip(order, waves[-1]["output_ids"], waves[-1]["texts"]):
+            ids[i] += out_ids
             try:
                 calls[i] = scripts[i].send(text)
             except StopIteration:
                 del calls[i]
+    return {**sum_waves(waves), "output_ids": ids}
+
+
+def run_in_waves(engine, prompts: list[str], batch: int, params: dict[str, Any]) -> dict[str, Any]:
+    """``prompts`` as consecutive batches of ``batch`` (a batch-1 cell of several prompts)."""
+    waves = [run_cell(engine, prompts[i : i + batch], params) for i in range(0, len(prompts), batch)]
+    return {**sum_waves(waves), "output_ids": [ids for w in waves for ids in w["output_ids"]]}
+
+
+def sum_waves(waves: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell's figures from consecutive waves (counts and wall time summed)."""
+    keys = ("wall_s", "tokens", "tpot_s", "spec_reqs", "accepted", "verify_steps", "steps", "draft_steps")
+    total: dict[str, Any] = {key: sum((w[key] for w in waves), [] if key == "tpot_s" else 0) for key in keys}
     return summarise_cell(total)
 
 
@@ -230,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-steps", type=int, default=3, help="STANDALONE: speculative_num_steps")
     ap.add_argument("--draft-layers", type=int, default=4, help="STANDALONE: decoder layers kept in the draft")
     ap.add_argument("--draft-self", action="store_true", help="also STANDALONE with the target as its own draft")
+    ap.add_argument("--min-prompts", type=int, default=4,
+                    help="a cell of a smaller batch runs this many prompts, in consecutive batches")
     ap.add_argument("--agent-steps", type=int, default=3, help="agent: calls per session")
     ap.add_argument("--agent-system-len", type=int, default=256, help="agent: system prompt tokens (the tools)")
     ap.add_argument("--agent-question-len", type=int, default=32, help="agent: question and observation tokens")
@@ -280,8 +296,8 @@ def cell_runner(engine, workload: str, batch: int, params: dict[str, Any], args)
     if workload == "agent":
         sessions = agent_sessions(engine, batch, batch, args)
         return lambda e: run_agent_cell(e, sessions, params)
-    prompts, extra = workload_prompts(engine, workload, batch, seed=batch)
-    return lambda e: run_cell(e, prompts, {**params, **extra})
+    prompts, extra = workload_prompts(engine, workload, max(batch, args.min_prompts), seed=batch)
+    return lambda e: run_in_waves(e, prompts, batch, {**params, **extra})
 
 
 def summarise(workload: str, batch: int, name: str, cells: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -296,7 +312,7 @@ def summarise(workload: str, batch: int, name: str, cells: dict[str, list[dict[s
         "ratio": statistics.median(b["tok_s"] / a["tok_s"] for a, b in zip(cells["off"], cells[name])),
         "off_tpot_p50_ms": med("off", "tpot_p50_ms"), "tpot_p50_ms": med(name, "tpot_p50_ms"),
         "off_tpot_p95_ms": med("off", "tpot_p95_ms"), "tpot_p95_ms": med(name, "tpot_p95_ms"),
-        "accept_len": med(name, "accept_len"), "identical": f"{same}/{batch}",
+        "accept_len": med(name, "accept_len"), "identical": f"{same}/{len(cells['off'][0]['output_ids'])}",
         "off_steps": med("off", "steps"), "steps": med(name, "steps"), "draft_steps": med(name, "draft_steps"),
     }
 

@@ -26,7 +26,8 @@ class FakeEngine:
     def get_server_info(self) -> dict:
         return dict(self.info)
 
-    def generate(self, prompts: list[str], params: list[dict]) -> list[dict]:
+    def generate(self, prompts: list[str], params: dict | list[dict]) -> list[dict]:
+        params = [params] * len(prompts) if isinstance(params, dict) else params
         assert all(p["stop"] == ["Observation:"] and p["temperature"] == 0 for p in params)
         self.batches.append(prompts)
         self.info["num_extend_steps"] += 1
@@ -56,3 +57,12 @@ def test_agent_cell_feeds_answers_forward_and_sums_waves():
     assert cell["output_ids"] == [[0] * 3, [0, 1] * 3]
     assert cell["accept_len"] == (6 + 6) / 6
     assert cell["tok_s"] == cell["tokens"] / cell["wall_s"]
+
+
+def test_a_small_batch_cell_runs_its_prompts_in_consecutive_batches():
+    engine = FakeEngine()
+    params = {"temperature": 0, "stop": ["Observation:"]}
+    cell = bench_spec.run_in_waves(engine, ["a", "b", "c", "d", "e"], 2, params)
+    assert engine.batches == [["a", "b"], ["c", "d"], ["e"]]
+    assert cell["output_ids"] == [[0], [0, 1], [0], [0, 1], [0]]
+    assert cell["tokens"] == 7 and cell["steps"] == 12
