@@ -87,6 +87,7 @@ def test_metrics_export_the_mean_accept_length():
     ({"speculative_ngram_min_match_window_size": 5, "speculative_ngram_max_match_window_size": 3},
      "speculative_ngram_max_match_window_size", ValueError),
     ({"speculative_disable_by_batch_size": -1}, "speculative_disable_by_batch_size", ValueError),
+    ({"speculative_adaptive": "yes"}, "speculative_adaptive", TypeError),
 ])
 def test_bad_speculative_arguments_stop_start_up(tiny_llama_dir, kwargs, name, error):
     with pytest.raises(error, match=name):
