@@ -25,8 +25,8 @@ Workloads (chat-templated prompts for the default SmolLM2-135M-Instruct):
   each call stopping at "Observation:". A cell of batch B runs B sessions as B
   clients in lock step: each wave sends every session's next call in one batch.
 
-A cell of a batch smaller than ``--min-prompts`` (4) runs that many prompts in
-consecutive batches (batch 1: four prompts one after another), so a batch-1
+A cell of a batch smaller than ``--min-prompts`` (4) runs that many prompts (agent:
+sessions) in consecutive batches (batch 1: four one after another), so a batch-1
 figure does not hang on one prompt (on SmolLM2 some "repeat this passage"
 prompts are paraphrased, not copied).
 
@@ -180,8 +180,12 @@ def run_agent_cell(engine, sessions: list[Session], params: dict[str, Any]) -> d
 
 def run_in_waves(engine, prompts: list[str], batch: int, params: dict[str, Any]) -> dict[str, Any]:
     """``prompts`` as consecutive batches of ``batch`` (a batch-1 cell of several prompts)."""
-    waves = [run_cell(engine, prompts[i : i + batch], params) for i in range(0, len(prompts), batch)]
-    return {**sum_waves(waves), "output_ids": [ids for w in waves for ids in w["output_ids"]]}
+    return join_cells([run_cell(engine, prompts[i : i + batch], params) for i in range(0, len(prompts), batch)])
+
+
+def join_cells(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """Consecutive cells as one (counts and wall time summed, outputs in order)."""
+    return {**sum_waves(cells), "output_ids": [ids for c in cells for ids in c["output_ids"]]}
 
 
 def sum_waves(waves: list[dict[str, Any]]) -> dict[str, Any]:
@@ -294,8 +298,9 @@ def bench(engines: dict[str, Any], args) -> list[dict[str, Any]]:
 def cell_runner(engine, workload: str, batch: int, params: dict[str, Any], args):
     """The function running one (workload, batch) cell on an engine (the same prompts for every engine)."""
     if workload == "agent":
-        sessions = agent_sessions(engine, batch, batch, args)
-        return lambda e: run_agent_cell(e, sessions, params)
+        sessions = agent_sessions(engine, max(batch, args.min_prompts), batch, args)
+        groups = [sessions[i : i + batch] for i in range(0, len(sessions), batch)]
+        return lambda e: join_cells([run_agent_cell(e, g, params) for g in groups])
     prompts, extra = workload_prompts(engine, workload, max(batch, args.min_prompts), seed=batch)
     return lambda e: run_in_waves(e, prompts, batch, {**params, **extra})
 
