@@ -163,8 +163,9 @@ def test_bfloat16_greedy_ngram_equals_speculation_off_on_the_default_model(smoll
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(smollm_dir))
+    # The cost-aware switch off: every draft found is verified, whatever this machine's step times.
     sched = create_scheduler(smollm_dir, tok, model=None, dtype="auto", speculative_algorithm="NGRAM",
-                             max_total_tokens=2048)
+                             speculative_adaptive=False, max_total_tokens=2048)
     assert sched.worker.model_runner.dtype == torch.bfloat16 and sched.worker.verify_as_rows
     speculator = sched.speculator
     for text in PROMPTS:
