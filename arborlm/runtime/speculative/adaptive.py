@@ -23,10 +23,11 @@ over this engine's own measurements:
   that maximise ``(B + sum of their worth) / T_v(B + m)``, and drafts nothing
   when ``B / T_d(B)`` is at least as high.
 
-What is not measured yet is taken optimistically (no verify step timed yet:
-``T_v`` is taken as ``T_d``; no plain decode step timed: ``T_d(B)`` is taken
-as ``T_v(B)``; nothing timed at all: draft), so the first steps
-try drafting and measure it; the estimates then correct themselves, in both
+Before any step is timed the step drafts (to time a verify step); before any
+plain decode step is timed, and again after ``explore_every`` steps without
+one, the step decodes plainly (to time that): a step that always drafts would
+otherwise never learn what not drafting costs. No verify step timed yet:
+``T_v`` is taken as ``T_d``. The estimates then correct themselves, in both
 directions, from the steps they cause. A request whose drafts are rejected
 stops drafting; while it does not draft its estimate drifts back toward the
 prior (`AcceptanceEstimate.forget`), so a request that starts copying later is
@@ -52,6 +53,8 @@ class AdaptiveConfig:
     cost_decay: weight a step-time model keeps per step timed.
     sampled_min_rate: the acceptance rate at or above which a sampled request drafts
         (its choice is its own, see `AdaptivePolicy.plan`).
+    explore_every: after this many timed steps without a plain decode step, the next
+        step that may decode plainly does (so ``T_d`` stays measured).
     """
 
     prior_rate: float = 0.6
@@ -60,6 +63,7 @@ class AdaptiveConfig:
     forget: float = 0.95
     cost_decay: float = 0.9
     sampled_min_rate: float = 0.3
+    explore_every: int = 64
 
     def __post_init__(self):
         for name in ("prior_rate", "rate_decay", "forget", "cost_decay", "sampled_min_rate"):
@@ -68,6 +72,8 @@ class AdaptiveConfig:
                 raise ValueError(f"{name}={value!r} must be in (0, 1)")
         if self.prior_weight <= 0:
             raise ValueError(f"prior_weight={self.prior_weight!r} must be > 0")
+        if self.explore_every < 1:
+            raise ValueError(f"explore_every={self.explore_every!r} must be >= 1")
 
 
 @dataclass
@@ -189,6 +195,7 @@ class AdaptivePolicy:
         self.config = config or AdaptiveConfig()
         self.costs = {kind: StepCostModel(self.config.cost_decay) for kind in (self.DECODE, self.VERIFY)}
         self.timer = StepTimer(clock)
+        self.steps_since_plain = 0  # timed steps since the last plain decode step
 
     def new_estimate(self) -> AcceptanceEstimate:
         """A new request's acceptance estimate (the prior)."""
@@ -223,9 +230,12 @@ class AdaptivePolicy:
                         for j in range(1, k + 1)), reverse=True)
         if not worth:
             return lens
-        plain = self._decode_cost(batch)
-        if plain is None:
+        decode, verify = self.costs[self.DECODE], self.costs[self.VERIFY]
+        if decode.empty and verify.empty:
             return [k if not s else n for k, s, n in zip(max_lens, sampled, lens)]  # nothing timed: try it
+        if decode.empty or self.steps_since_plain >= self.config.explore_every:
+            return lens  # time a plain decode step (when the sampled requests let it be one)
+        plain = decode.estimate(batch)
         rows = batch + sum(lens)
         tokens = batch + sum(expected_accepted(rates[i], k) for i, k in enumerate(lens))
         base = plain if rows == batch else self._verify_cost(rows, plain)
@@ -238,12 +248,6 @@ class AdaptivePolicy:
         for _, i in worth[:best_m]:
             lens[i] += 1
         return lens
-
-    def _decode_cost(self, batch: int) -> float | None:
-        """T_d(batch); before any plain decode step is timed (every step drafted), a verify
-        step of as many rows (it runs the same tokens); None before any step is timed."""
-        cost = self.costs[self.DECODE].estimate(batch)
-        return cost if cost is not None else self.costs[self.VERIFY].estimate(batch)
 
     def _verify_cost(self, rows: int, plain: float) -> float:
         """T_v(rows); before any verify step is timed, the plain decode step's time."""
@@ -260,3 +264,4 @@ class AdaptivePolicy:
         if timed is not None:
             kind, rows, seconds = timed
             self.costs[kind].observe(rows, seconds)
+            self.steps_since_plain = 0 if kind == self.DECODE else self.steps_since_plain + 1

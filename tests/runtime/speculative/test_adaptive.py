@@ -101,6 +101,30 @@ def test_plan_before_any_verify_step_takes_verify_as_cheap_as_decode():
     assert policy.plan([3, 3], [0.5, 0.5]) == [3, 3]
 
 
+def test_plan_times_a_plain_decode_step_first_and_then_now_and_then():
+    """Verify steps timed but no plain one (or none for explore_every steps): the next step
+    decodes plainly (a sampled request above its rate still drafts), then planning resumes."""
+    now = [0.0]
+    policy = AdaptivePolicy(AdaptiveConfig(explore_every=3), clock=lambda: now[0])
+
+    def step(kind, rows, seconds):
+        policy.start_step(kind, rows)
+        now[0] += seconds
+        policy.end_step()
+
+    assert policy.plan([4, 4], [0.9, 0.9]) == [4, 4]  # nothing timed: try
+    step(policy.VERIFY, 10, 0.021)
+    assert policy.plan([4, 4], [0.9, 0.9]) == [0, 0]  # no plain step timed yet
+    assert policy.plan([4, 4], [0.9, 0.9], [True, False]) == [4, 0]
+    step(policy.DECODE, 2, 0.020)
+    for _ in range(3):
+        assert policy.plan([4, 4], [0.9, 0.9]) == [4, 4]
+        step(policy.VERIFY, 10, 0.021)
+    assert policy.plan([4, 4], [0.9, 0.9]) == [0, 0]  # explore_every verify steps in a row
+    step(policy.DECODE, 2, 0.020)
+    assert policy.plan([4, 4], [0.9, 0.9]) == [4, 4]
+
+
 def test_step_timer_with_an_injected_clock():
     now = [10.0]
     timer = StepTimer(lambda: now[0])
@@ -119,6 +143,8 @@ def test_bad_config():
         AdaptiveConfig(rate_decay=1.5)
     with pytest.raises(ValueError, match="prior_weight"):
         AdaptiveConfig(prior_weight=0)
+    with pytest.raises(ValueError, match="explore_every"):
+        AdaptiveConfig(explore_every=0)
 
 
 # ---- the scheduler under scripted time ----------------------------------------------------------
