@@ -206,3 +206,25 @@ def test_verify_rows_travel_to_other_tensor_parallel_ranks(tiny_llama_dir):
         assert torch.equal(other.req_to_token_pool.req_to_token[r, :n], harness.req_to_token_pool.req_to_token[r, :n])
     want = loaded.model.forward(rows).full_logits
     assert torch.equal(loaded.model.forward(rebuilt).full_logits, want)
+
+
+def test_the_extend_fallback_serves_ngram_over_a_quantized_kv_pool(tiny_llama_dir, tiny_tokenizer):
+    """With an fp8 KV pool the worker keeps the extend chains, and greedy NGRAM output still
+    equals speculation off (float32 activations), pools whole after every step."""
+    from tests.runtime.speculative.test_spec_model import copy_prompts
+
+    sched = create_scheduler(tiny_llama_dir, tiny_tokenizer, kv_cache_dtype="fp8_e5m2",
+                             speculative_algorithm="NGRAM", speculative_adaptive=False)
+    assert not sched.worker.verify_as_rows
+    prompts = copy_prompts(3, seed=5)
+
+    def reqs():
+        return [make_req(f"r{i}", p, max_new_tokens=20, ignore_eos=True) for i, p in enumerate(prompts)]
+
+    speculator, sched.speculator = sched.speculator, None
+    off = run_to_completion(sched, reqs())
+    sched.speculator = speculator
+    assert sched.flush_cache()
+    on = run_to_completion(sched, reqs())
+    assert on.tokens == off.tokens
+    assert sched.get_info()["spec_num_accepted_tokens"] > 0
