@@ -23,12 +23,14 @@ over this engine's own measurements:
   that maximise ``(B + sum of their worth) / T_v(B + m)``, and drafts nothing
   when ``B / T_d(B)`` is at least as high.
 
-Before any step is timed the step drafts (to time a verify step); before any
-plain decode step is timed, and again after ``explore_every`` steps without
-one, the step decodes plainly (to time that): a step that always drafts would
-otherwise never learn what not drafting costs. No verify step timed yet:
-``T_v`` is taken as ``T_d``. The estimates then correct themselves, in both
-directions, from the steps they cause. A request whose drafts are rejected
+The first step of each kind is not counted (it carries one-time costs:
+allocations, first calls into kernels). Before any step is timed the step
+drafts (to time a verify step); before any plain decode step is timed the step
+decodes plainly (to time that). Both kinds are re-timed now and then: after
+``explore_every`` steps without a plain decode step, the next one decodes
+plainly, and after as many without a verify step, the next one with drafts
+verifies them all, so neither estimate goes stale because the policy stopped
+choosing its kind (a slow step seen once would otherwise keep drafting off). A request whose drafts are rejected
 stops drafting; while it does not draft its estimate drifts back toward the
 prior (`AcceptanceEstimate.forget`), so a request that starts copying later is
 tried again, when the batch's cost allows it.
@@ -53,8 +55,8 @@ class AdaptiveConfig:
     cost_decay: weight a step-time model keeps per step timed.
     sampled_min_rate: the acceptance rate at or above which a sampled request drafts
         (its choice is its own, see `AdaptivePolicy.plan`).
-    explore_every: after this many timed steps without a plain decode step, the next
-        step that may decode plainly does (so ``T_d`` stays measured).
+    explore_every: after this many timed steps without a plain decode step (a verify
+        step), the next step that may be one is (so ``T_d`` and ``T_v`` stay measured).
     """
 
     prior_rate: float = 0.6
@@ -195,7 +197,8 @@ class AdaptivePolicy:
         self.config = config or AdaptiveConfig()
         self.costs = {kind: StepCostModel(self.config.cost_decay) for kind in (self.DECODE, self.VERIFY)}
         self.timer = StepTimer(clock)
-        self.steps_since_plain = 0  # timed steps since the last plain decode step
+        self.steps_since = {self.DECODE: 0, self.VERIFY: 0}  # timed steps since the last of each kind
+        self._seen: set[str] = set()  # kinds whose first (warm-up) step went by
 
     def new_estimate(self) -> AcceptanceEstimate:
         """A new request's acceptance estimate (the prior)."""
@@ -233,8 +236,10 @@ class AdaptivePolicy:
         decode, verify = self.costs[self.DECODE], self.costs[self.VERIFY]
         if decode.empty and verify.empty:
             return [k if not s else n for k, s, n in zip(max_lens, sampled, lens)]  # nothing timed: try it
-        if decode.empty or self.steps_since_plain >= self.config.explore_every:
+        if decode.empty or self.steps_since[self.DECODE] >= self.config.explore_every:
             return lens  # time a plain decode step (when the sampled requests let it be one)
+        if verify.empty or self.steps_since[self.VERIFY] >= self.config.explore_every:
+            return [k if not s else n for k, s, n in zip(max_lens, sampled, lens)]  # time a verify step
         plain = decode.estimate(batch)
         rows = batch + sum(lens)
         tokens = batch + sum(expected_accepted(rates[i], k) for i, k in enumerate(lens))
@@ -263,5 +268,8 @@ class AdaptivePolicy:
         timed = self.timer.stop()
         if timed is not None:
             kind, rows, seconds = timed
-            self.costs[kind].observe(rows, seconds)
-            self.steps_since_plain = 0 if kind == self.DECODE else self.steps_since_plain + 1
+            for other in self.steps_since:
+                self.steps_since[other] = 0 if other == kind else self.steps_since[other] + 1
+            if kind in self._seen:
+                self.costs[kind].observe(rows, seconds)
+            self._seen.add(kind)

@@ -101,9 +101,10 @@ def test_plan_before_any_verify_step_takes_verify_as_cheap_as_decode():
     assert policy.plan([3, 3], [0.5, 0.5]) == [3, 3]
 
 
-def test_plan_times_a_plain_decode_step_first_and_then_now_and_then():
-    """Verify steps timed but no plain one (or none for explore_every steps): the next step
-    decodes plainly (a sampled request above its rate still drafts), then planning resumes."""
+def test_plan_times_each_kind_first_and_then_now_and_then():
+    """The first step of each kind is not counted; until a plain decode step is timed (or after
+    explore_every steps without one) the step decodes plainly (a sampled request above its rate
+    still drafts); after explore_every steps without a verify step it verifies every draft."""
     now = [0.0]
     policy = AdaptivePolicy(AdaptiveConfig(explore_every=3), clock=lambda: now[0])
 
@@ -113,16 +114,26 @@ def test_plan_times_a_plain_decode_step_first_and_then_now_and_then():
         policy.end_step()
 
     assert policy.plan([4, 4], [0.9, 0.9]) == [4, 4]  # nothing timed: try
+    step(policy.VERIFY, 10, 5.0)  # the first verify step: one-time costs, not counted
+    assert policy.plan([4, 4], [0.9, 0.9]) == [4, 4]
     step(policy.VERIFY, 10, 0.021)
     assert policy.plan([4, 4], [0.9, 0.9]) == [0, 0]  # no plain step timed yet
     assert policy.plan([4, 4], [0.9, 0.9], [True, False]) == [4, 0]
+    step(policy.DECODE, 2, 9.0)  # the first plain step: not counted
+    assert policy.plan([4, 4], [0.9, 0.9]) == [0, 0]
     step(policy.DECODE, 2, 0.020)
     for _ in range(3):
         assert policy.plan([4, 4], [0.9, 0.9]) == [4, 4]
         step(policy.VERIFY, 10, 0.021)
     assert policy.plan([4, 4], [0.9, 0.9]) == [0, 0]  # explore_every verify steps in a row
     step(policy.DECODE, 2, 0.020)
-    assert policy.plan([4, 4], [0.9, 0.9]) == [4, 4]
+    # Verify steps now look slow: plain decode wins ...
+    policy.costs[policy.VERIFY].observe(10, 1.0)
+    assert policy.steps_since[policy.VERIFY] == 1
+    for _ in range(2):
+        assert policy.plan([4, 4], [0.9, 0.9]) == [0, 0]
+        step(policy.DECODE, 2, 0.020)
+    assert policy.plan([4, 4], [0.9, 0.9]) == [4, 4]  # ... until explore_every steps without one: re-time it
 
 
 def test_step_timer_with_an_injected_clock():
