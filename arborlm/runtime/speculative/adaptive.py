@@ -65,7 +65,7 @@ class AdaptiveConfig:
     forget: float = 0.95
     cost_decay: float = 0.9
     sampled_min_rate: float = 0.3
-    explore_every: int = 64
+    explore_every: int = 16
 
     def __post_init__(self):
         for name in ("prior_rate", "rate_decay", "forget", "cost_decay", "sampled_min_rate"):
