@@ -441,6 +441,93 @@ def test_decode_attention_refuses_unsupported_layouts(ops, case):
         ops.decode_attention(*case, 0.125)
 
 
+# A key block length for the long-context cases: lengths just under, at and past its
+# multiples, so a kernel that splits a request's keys into blocks (split-K) and merges
+# them is checked on both sides of each boundary.
+CHUNK = 128
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 8])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_attention_long_contexts(ops, dtype, group, head_dim):
+    """Contexts of 1 to 5 blocks of keys (and one key past a block), with a window
+    whose first key is inside a block, a logit cap, and none: each row as the oracle's."""
+    seq_lens = [1, CHUNK, CHUNK + 1, 2 * CHUNK - 3, 5 * CHUNK + 7]
+    case = decode_case(seq_lens, 2, group, head_dim, dtype)
+    for sliding_window, logit_cap in ((None, 0.0), (CHUNK + 50, 0.0), (None, 30.0), (3 * CHUNK, 30.0)):
+        assert_decode_matches_reference(ops, case, sliding_window, logit_cap)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_attention_one_long_request(ops, dtype):
+    """Batch 1, 3000 keys, SmolLM2-135M's heads (9 q, 3 kv, head_dim 64), with and
+    without a window."""
+    case = decode_case([3000], 3, 3, 64, dtype)
+    assert_decode_matches_reference(ops, case, None, 0.0)
+    assert_decode_matches_reference(ops, case, 1000, 0.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_attention_batch_32_stores_then_attends(ops, dtype):
+    """A batch-32 step shaped as SmolLM2-135M's (ragged 1-300 keys): stores the new K/V
+    exactly, and each row's attention over the stored pool is the oracle's."""
+    seq_lens = torch.randint(1, 300, (32,), generator=torch.Generator().manual_seed(11)).tolist()
+    case = decode_case(seq_lens, 3, 3, 64, dtype)
+    q, k_buffer, v_buffer, *pool = case
+    new_kv, (k_expected, v_expected) = new_kv_step(case)
+    out = ops.decode_attention(q, k_buffer, v_buffer, *pool, 0.125, None, 0.0, new_kv=new_kv)
+    torch.testing.assert_close(k_buffer, k_expected, atol=0, rtol=0)
+    torch.testing.assert_close(v_buffer, v_expected, atol=0, rtol=0)
+    expected = reference.decode_attention(q.float(), k_buffer.float(), v_buffer.float(), *pool, 0.125)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-5, rtol=BF16_RTOL)
+    torch.testing.assert_close(out.float(), expected, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_attention_row_does_not_depend_on_its_batch(ops, dtype):
+    """A request's output is the same bits alone and inside a batch of 32 (how the work
+    is split may depend on the request's own keys, never on the batch or the threads),
+    so greedy tokens do not depend on what else is running."""
+    seq_lens = torch.randint(1, 700, (32,), generator=torch.Generator().manual_seed(12)).tolist()
+    q, k_buffer, v_buffer, req_to_token, rpi, lens = decode_case(seq_lens, 3, 3, 64, dtype)
+    batched = ops.decode_attention(q, k_buffer, v_buffer, req_to_token, rpi, lens, 0.125, 200, 0.0)
+    for i in (0, 7, 31):
+        alone = ops.decode_attention(q[i:i + 1], k_buffer, v_buffer, req_to_token, rpi[i:i + 1], lens[i:i + 1],
+                                     0.125, 200, 0.0)
+        torch.testing.assert_close(alone[0], batched[i], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_attention_rows_of_one_request(ops, dtype):
+    """Speculative verify's layout: several rows of one request at increasing lengths
+    (L, L+1, ..., around a block boundary), every row's new K/V stored first; row i
+    attends over its own seq_len only, and sees the rows before it."""
+    context, rows, heads, head_dim = CHUNK - 2, 5, 3, 64
+    gen = torch.Generator().manual_seed(13)
+    num_slots = context + rows + 8
+    k_buffer = randn(num_slots, heads, head_dim, dtype=dtype, seed=14)
+    v_buffer = randn(num_slots, heads, head_dim, dtype=dtype, seed=15)
+    req_to_token = torch.zeros(2, context + rows + 4, dtype=torch.int32)
+    req_to_token[1, :context + rows] = torch.randperm(num_slots, generator=gen)[:context + rows].to(torch.int32)
+    q = randn(rows, 3 * heads, head_dim, dtype=dtype, seed=16, scale=4.0)
+    rpi = torch.ones(rows, dtype=torch.int64)
+    lens = torch.arange(context + 1, context + rows + 1)
+    k_new = randn(rows, heads, head_dim, dtype=dtype, seed=17)
+    v_new = randn(rows, heads, head_dim, dtype=dtype, seed=18)
+    loc = req_to_token[1, lens - 1].to(torch.int64)
+    k_expected, v_expected = k_buffer.clone(), v_buffer.clone()
+    k_expected[loc], v_expected[loc] = k_new, v_new
+
+    out = ops.decode_attention(q, k_buffer, v_buffer, req_to_token, rpi, lens, 0.125, new_kv=(k_new, v_new, loc))
+
+    torch.testing.assert_close(k_buffer, k_expected, atol=0, rtol=0)
+    expected = reference.decode_attention(q.float(), k_expected.float(), v_expected.float(), req_to_token, rpi,
+                                          lens, 0.125)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-5, rtol=BF16_RTOL)
+    torch.testing.assert_close(out.float(), expected, **tol)
+
+
 # ---------------------------------------------------------------- build
 
 
