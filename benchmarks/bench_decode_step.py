@@ -23,7 +23,9 @@ step is also timed bare on interleaved steps (``step (bare)``); the parts are fr
 instrumented steps. Medians over `--steps` steps of each kind. The same run measures
 the machine's copy bandwidth (`torch.Tensor.copy_` of a buffer larger than the caches,
 read + write bytes counted) and prints the floor: (weight bytes read per step + K/V
-bytes the step's attention reads) / bandwidth. One mixed step (a `--prompt-len` prefill
+bytes the step's attention reads) / bandwidth, and beside it the compute floor: the step's
+FLOPs (2 per weight and row, plus attention's) / the best GFLOP/s of a plain bf16 `torch.matmul`
+measured in the same run (`gemm_peak_gflops`); the honest floor is the larger of the two. One mixed step (a `--prompt-len` prefill
 beside a running batch of 8) is timed the same way. With ``--baseline onednn`` each round
 also times a bare step whose linear layers run on oneDNN where they would take the AVX-512
 BF16 kernel (`kernels/linear_avx512.py`), interleaved, so that kernel's effect is a ratio
@@ -298,6 +300,46 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
     return total
 
 
+def gemm_peak_gflops(dtype: torch.dtype, rows: int = 256, dim: int = 1024, repeats: int = 5) -> float:
+    """Best GFLOP/s of a plain `torch.matmul` (oneDNN for bf16, MKL for float32), (rows, dim) @
+    (dim, dim) with the weight in cache: the compute peak the floor's flops term divides by. A
+    GEMM microbenchmark, not the serving kernels (those are what the step times)."""
+    x, w = torch.randn(rows, dim).to(dtype), torch.randn(dim, dim).to(dtype)
+    calls = 20
+    torch.matmul(x, w)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            torch.matmul(x, w)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return 2 * rows * dim * dim / best / 1e9
+
+
+def linear_params(model: torch.nn.Module) -> int:
+    """Multiply-adds per token of the step's matrix products: every 2-D weight once (a tied
+    embedding is the lm_head; an untied one is looked up, not multiplied)."""
+    seen: set[int] = set()
+    total = 0
+    for name, param in model.named_parameters():
+        ptr = param.untyped_storage().data_ptr()
+        if param.dim() != 2 or ptr in seen:
+            continue
+        seen.add(ptr)
+        if name.endswith("embed_tokens.weight") and not getattr(model, "tie_word_embeddings", False):
+            continue
+        total += param.numel()
+    return total
+
+
+def step_flops(result: dict, params: int, group: int, kv_element_size: int) -> float:
+    """FLOPs of one step: 2 per multiply-add of the linears for each row, plus attention's
+    q.k and p.v over the K/V it reads (2 FLOPs per K or V element and query head of its
+    group). The mixed step's prefill attention is counted as a decode row's (a lower bound)."""
+    rows = result.get("rows", result["batch"])
+    return 2.0 * params * rows + 2.0 * group * result["kv_bytes"] / kv_element_size
+
+
 def kv_bytes(scheduler: Scheduler, seq_lens: list[int]) -> int:
     """Bytes of K and V the step's attention reads over `seq_lens` tokens (every layer)."""
     pool = scheduler.worker.token_to_kv_pool
@@ -448,7 +490,9 @@ def bench_mixed(scheduler: Scheduler, front: FrontSide, args, params: dict) -> d
                 timer.end_step()
     drain(scheduler)
     name = f"mixed: 1 x {args.prompt_len} prefill + 8 decode"
-    return summarise(scheduler, name, timer, bare, seq_lens, baseline)
+    result = summarise(scheduler, name, timer, bare, seq_lens, baseline)
+    result["rows"] = args.prompt_len + 8  # the prefill's tokens and the 8 decode rows
+    return result
 
 
 def summarise(scheduler: Scheduler, name: str, timer: PartTimer, bare: list[float], seq_lens: list[int],
@@ -472,7 +516,8 @@ def summarise(scheduler: Scheduler, name: str, timer: PartTimer, bare: list[floa
 BASELINE_LABELS = {"onednn": ("linears on oneDNN", "oneDNN"), "unfused": ("decoder layers unfused", "unfused")}
 
 
-def markdown(results: list[dict], bandwidth_gbs: float, weight_bytes: int, meta: dict) -> str:
+def markdown(results: list[dict], bandwidth_gbs: float, weight_bytes: int, meta: dict,
+             peak_gflops: float | None = None, flops: list[float] | None = None) -> str:
     lines = [
         f"Copy bandwidth (read + write): **{bandwidth_gbs:.1f} GB/s**; weights read per step: "
         f"{weight_bytes / 1e6:.0f} MB; {meta['dtype']}, {meta['threads']} threads, prompt {meta['prompt_len']} tokens, "
@@ -499,6 +544,16 @@ def markdown(results: list[dict], bandwidth_gbs: float, weight_bytes: int, meta:
         lines.append(f"| {label} | " + " | ".join(f"{v * 1e3:.2f}" for v in values) + " |")
     lines.append("| **bare step / floor** | " + " | ".join(
         f"{r['bare_step_s'] / f:.2f}x" for r, f in zip(results, floors)) + " |")
+    if peak_gflops and flops:
+        compute = [f / (peak_gflops * 1e9) for f in flops]
+        both = [max(a, b) for a, b in zip(floors, compute)]
+        lines.append("| GFLOP per step | " + " | ".join(f"{f / 1e9:.2f}" for f in flops) + " |")
+        lines.append(f"| **flops / GEMM peak ({peak_gflops:.0f} GFLOP/s)** | "
+                     + " | ".join(f"{c * 1e3:.2f}" for c in compute) + " |")
+        lines.append("| **floor: max(bytes / bandwidth, flops / peak)** | "
+                     + " | ".join(f"{b * 1e3:.2f}" for b in both) + " |")
+        lines.append("| **bare step / max floor** | " + " | ".join(
+            f"{r['bare_step_s'] / b:.2f}x" for r, b in zip(results, both)) + " |")
     if results and results[0]["baseline_bare_step_s"] is not None:
         label, short = BASELINE_LABELS[meta["baseline"]]
         lines.append(f"| step, bare, {label} (interleaved) | " + " | ".join(
@@ -541,6 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     params = {"temperature": args.temperature, "top_p": args.top_p}
     try:
         bandwidth = copy_bandwidth_gbs()
+        peak = gemm_peak_gflops(getattr(torch, args.dtype))
         results = []
         for b in args.batch_sizes.split(","):
             results.append(bench_decode(scheduler, front, int(b), args, params))
@@ -549,12 +605,19 @@ def main(argv: list[str] | None = None) -> int:
             results.append(bench_mixed(scheduler, front, args, params))
             print(f"{results[-1]['name']}: bare step {results[-1]['bare_step_s'] * 1e3:.2f} ms", flush=True)
         bandwidth = max(bandwidth, copy_bandwidth_gbs())  # once more after, the VM drifts
+        peak = max(peak, gemm_peak_gflops(getattr(torch, args.dtype)))
     finally:
         front.close()
     weights = weight_bytes_per_step(scheduler.model_runner.model)
     meta = {"dtype": args.dtype, "threads": torch.get_num_threads(), "prompt_len": args.prompt_len,
             "temperature": args.temperature, "top_p": args.top_p, "baseline": args.baseline, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    table = markdown(results, bandwidth, weights, meta)
+    model = scheduler.model_runner.model
+    config = getattr(model, "config", None)
+    group = getattr(config, "num_attention_heads", 1) // max(getattr(config, "num_key_value_heads", 1) or 1, 1)
+    kv_size = torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
+    flops = [step_flops(r, linear_params(model), group, kv_size) for r in results]
+    meta["gemm_peak_gflops"] = peak
+    table = markdown(results, bandwidth, weights, meta, peak, flops)
     print(table)
     if args.markdown_out:
         args.markdown_out.parent.mkdir(parents=True, exist_ok=True)
