@@ -173,9 +173,9 @@ def prefill_tok_s(sched: Scheduler, prefill_len: int) -> float:
 class LlamaServer:
     """llama-server on one GGUF file (`-np 8 -t threads`), timed by its own `timings`."""
 
-    def __init__(self, path: Path, threads: int, port: int):
+    def __init__(self, path: Path, threads: int, port: int, binary: Path = LLAMA_SERVER):
         self.url = f"http://127.0.0.1:{port}"
-        cmd = [str(LLAMA_SERVER), "-m", str(path), "--host", "127.0.0.1", "--port", str(port), "-np", "8",
+        cmd = [str(binary), "-m", str(path), "--host", "127.0.0.1", "--port", str(port), "-np", "8",
                "-c", "8192", "-t", str(threads), "-tb", str(threads)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 300
@@ -287,6 +287,8 @@ def main() -> None:
     parser.add_argument("--max-total-tokens", type=int, default=4096, help="KV pool slots per variant")
     parser.add_argument("--threads", type=int, default=None, help="torch, OpenMP and llama-server threads")
     parser.add_argument("--no-llama-server", action="store_true", help="leave llama-server out")
+    parser.add_argument("--llama-server", type=Path, default=LLAMA_SERVER,
+                        help="the llama-server binary (e.g. a build with -DGGML_AVX512=ON)")
     parser.add_argument("--port", type=int, default=30981)
     args = parser.parse_args()
 
@@ -299,14 +301,14 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(str(resolve_checkpoint(None, progress=False)))
         ids = tokenizer.encode(bench_perplexity.TEXT.read_text(), add_special_tokens=False)[:args.ppl_tokens]
         windows = [ids[i:i + 512] for i in range(0, len(ids), 512) if len(ids[i:i + 512]) > 1]
-    use_server = LLAMA_SERVER.is_file() and not args.no_llama_server
+    use_server = args.llama_server.is_file() and not args.no_llama_server
     if not use_server:
         print("llama-server: left out (not built, or --no-llama-server)", file=sys.stderr)
     results = []
     for group in groups(args.groups):
         if args.variants:
             group.variants = tuple(v for v in args.variants if v.removesuffix(UNFUSED) in group.variants)
-        server = LlamaServer(group.path, args.threads or os.cpu_count() or 1, args.port) if use_server else None
+        server = LlamaServer(group.path, args.threads or os.cpu_count() or 1, args.port, args.llama_server) if use_server else None
         try:
             for i, batch_size in enumerate(args.batch_sizes):
                 scored = windows if group.perplexity and i == 0 else None
