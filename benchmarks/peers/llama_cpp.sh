@@ -11,8 +11,17 @@ BIN="$DIR/build/bin/llama-server"
 QUANTIZE_BIN="$DIR/build/bin/llama-quantize"
 
 # GGML_NATIVE=ON built instructions this VM's CPU reports but cannot run ("Illegal
-# instruction" at start): build for AVX2/FMA instead, which any recent x86-64 runs.
-CPU_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF)
+# instruction" at start): build for AVX2/FMA, plus the AVX-512 extensions /proc/cpuinfo
+# lists (an explicit AVX-512 build runs here; without it llama.cpp loses its AVX-512 paths).
+CPU_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON)
+if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
+  CPU_FLAGS+=(-DGGML_AVX512=ON)
+  for ext in vnni bf16 vbmi; do
+    grep -qw "avx512_$ext\|avx512$ext" /proc/cpuinfo && CPU_FLAGS+=("-DGGML_AVX512_${ext^^}=ON")
+  done
+else
+  CPU_FLAGS+=(-DGGML_AVX512=OFF)
+fi
 STAMP="$DIR/build/.arborlm-cpu-flags"
 
 install() {
