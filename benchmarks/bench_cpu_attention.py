@@ -32,20 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arborlm.kernels import cpu_ops  # noqa: E402
 from arborlm.kernels.cpu_ops import NativeLayerOps  # noqa: E402
+from benchmarks.machine import copy_bandwidth_gbs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def copy_bandwidth_gbs(num_bytes: int = 1 << 29, repeats: int = 5) -> float:
-    """Best read + write GB/s of `copy_` between two `num_bytes` buffers."""
-    src = torch.ones(num_bytes // 4)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * num_bytes / best / 1e9
 
 
 def baseline_library(rev: str, workdir: Path):

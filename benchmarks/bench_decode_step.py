@@ -68,6 +68,9 @@ from arborlm.runtime.schedule_batch import ScheduleBatch
 from arborlm.runtime.scheduler import Scheduler
 from arborlm.sampling_params import SamplingParams
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.machine import copy_bandwidth_gbs  # noqa: E402
+
 # Parts in the order of a step, as the table prints them.
 PARTS = (
     "schedule", "forward_batch", "embed", "norms", "qkv_proj", "rotary+glue", "attention", "o_proj",
@@ -262,19 +265,6 @@ class FrontSide:
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
-
-
-def copy_bandwidth_gbs(num_bytes: int = 1 << 29, repeats: int = 5) -> float:
-    """Best read + write GB/s of `copy_` between two `num_bytes` buffers (bigger than the caches)."""
-    src = torch.ones(num_bytes // 2, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * num_bytes / best / 1e9
 
 
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
