@@ -234,12 +234,13 @@ class AdaptivePolicy:
         if not worth:
             return lens
         decode, verify = self.costs[self.DECODE], self.costs[self.VERIFY]
+        whole = [n if s else k for k, s, n in zip(max_lens, sampled, lens)]  # every greedy draft in full
         if decode.empty and verify.empty:
-            return [k if not s else n for k, s, n in zip(max_lens, sampled, lens)]  # nothing timed: try it
+            return whole  # nothing timed: try it
         if decode.empty or self.steps_since[self.DECODE] >= self.config.explore_every:
             return lens  # time a plain decode step (when the sampled requests let it be one)
         if verify.empty or self.steps_since[self.VERIFY] >= self.config.explore_every:
-            return [k if not s else n for k, s, n in zip(max_lens, sampled, lens)]  # time a verify step
+            return whole  # time a verify step
         plain = decode.estimate(batch)
         rows = batch + sum(lens)
         tokens = batch + sum(expected_accepted(rates[i], k) for i, k in enumerate(lens))
