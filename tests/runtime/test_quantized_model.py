@@ -189,19 +189,36 @@ def smollm_pair(smollm_dir):
     return quantized, plain
 
 
+def teacher_forced_ranks(plain, prompts: list[list[int]], continuations: list[list[int]]) -> list[int]:
+    """Rank (0 = argmax) of each continuation token among `plain`'s next-token logits, fed the
+    prompt and the continuation so far (one extend over prompt + continuation)."""
+    harness = ModelHarness(plain.model, plain.hf_config, dtype=torch.bfloat16)
+    seqs = [p + c for p, c in zip(prompts, continuations)]
+    full = harness.extend([harness.new_req() for _ in seqs], seqs, return_full_logits=True).full_logits
+    ranks, offset = [], 0
+    for p, c, s in zip(prompts, continuations, seqs):
+        for j, token in enumerate(c):
+            row = full[offset + len(p) - 1 + j].float()
+            ranks.append(int((row > row[token]).sum()))
+        offset += len(s)
+    return ranks
+
+
 @pytest.mark.smollm
 def test_default_model_greedy_tokens_agree(smollm_pair, smollm_dir):
+    """The quantized model's greedy tokens, scored by the dequantized one on the same prefix
+    (teacher-forced): mostly its argmax, always near its top. Not free-running agreement: once
+    a near-tie flips (the 4-bit path rounds activations to int8), the texts part for good, and
+    where they part depends on the CPU's summation order (bf16 AMX vs AVX-512)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(smollm_dir))
     prompts = [tokenizer.encode(p) for p in SMOLLM_PROMPTS]
-    quantized, plain = (ModelHarness(m.model, m.hf_config, dtype=torch.bfloat16).greedy(prompts, 16)
-                        for m in smollm_pair)
-    same_prefix = [next((i for i, (a, b) in enumerate(zip(q, p)) if a != b), len(q)) for q, p in zip(quantized, plain)]
-    agreement = sum(a == b for q, p in zip(quantized, plain) for a, b in zip(q, p)) / sum(map(len, plain))
-    # First 8 tokens equal for most prompts; most tokens equal overall (divergence, once it starts, persists).
-    assert sum(n >= 8 for n in same_prefix) >= len(prompts) - 1, same_prefix
-    assert agreement >= 0.75, (agreement, same_prefix)
+    quantized, plain = smollm_pair
+    continuations = ModelHarness(quantized.model, quantized.hf_config, dtype=torch.bfloat16).greedy(prompts, 16)
+    ranks = teacher_forced_ranks(plain, prompts, continuations)
+    assert sum(r == 0 for r in ranks) / len(ranks) >= 0.85, ranks
+    assert max(ranks) <= 4, ranks
 
 
 @pytest.mark.smollm
