@@ -200,3 +200,38 @@ def test_factory(tokenizer, eos):
     vocab_mask = allocate_vocab_mask(1, VOCAB_SIZE + 64)
     matcher.fill_vocab_mask(vocab_mask, 0)
     assert max(allowed_ids(vocab_mask)) < len(tokenizer)  # padded ids never allowed
+
+
+def _bounded_tag(string_schema: dict) -> dict:
+    schema = {"type": "object", "properties": {"s": string_schema}, "required": ["s"]}
+    return {"type": "structural_tag", "format": {"type": "tag", "begin": "<call>",
+                                                  "content": {"type": "json_schema", "json_schema": schema},
+                                                  "end": "</call>"}}
+
+
+# (key, output up to where a string's characters begin): xgrammar 0.2.9 writes a string with
+# minLength/maxLength as a class that lets raw control characters in (invalid JSON).
+LENGTH_BOUNDED_STRINGS = [
+    (GrammarKey("json_schema", json.dumps({"type": "string", "maxLength": 3})), '"'),
+    (GrammarKey("json_schema", json.dumps({"type": "string", "minLength": 1})), '"'),
+    (GrammarKey("json_schema", json.dumps({"type": "array", "items": {"type": "string", "minLength": 2,
+                                                                       "maxLength": 9}})), '["'),
+    (GrammarKey("json_schema", json.dumps({"type": "object", "additionalProperties": {"type": "string",
+                                                                                       "maxLength": 5}})), '{"a": "'),
+    (GrammarKey("structural_tag", json.dumps(_bounded_tag({"type": "string", "maxLength": 4}))), '<call>{"s": "'),
+]
+
+
+@pytest.mark.parametrize(("key", "prefix"), LENGTH_BOUNDED_STRINGS, ids=[k.text[:40] for k, _ in LENGTH_BOUNDED_STRINGS])
+def test_no_raw_control_character_in_a_length_bounded_string(backend, tokenizer, eos, key, prefix):
+    control = {i for i in range(len(tokenizer)) if any(ord(c) < 0x20 for c in tokenizer.decode([i]))}
+    tab = encode(tokenizer, "\t")
+    assert len(tab) == 1 and tab[0] in control  # the vocabulary has such tokens: the check can fail
+    matcher = backend.compile(key).new_matcher()
+    for token_id in encode(tokenizer, prefix):
+        assert matcher.accept_token(token_id)
+    vocab_mask = allocate_vocab_mask(1, VOCAB_SIZE)
+    matcher.fill_vocab_mask(vocab_mask, 0)
+    allowed = allowed_ids(vocab_mask)
+    assert allowed & set(encode(tokenizer, "ab")) and not allowed & control
+    assert not matcher.accept_token(tab[0])
