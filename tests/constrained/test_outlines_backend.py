@@ -7,8 +7,14 @@ import json
 import pytest
 import torch
 
+from arborlm.constrained import outlines_backend
 from arborlm.constrained.base import GrammarError, GrammarKey, allocate_vocab_mask
-from arborlm.constrained.outlines_backend import MAX_ROLLBACK_TOKENS, OutlinesBackend
+from arborlm.constrained.outlines_backend import (
+    MAX_EXPANDED_REGEX_SIZE,
+    MAX_ROLLBACK_TOKENS,
+    OutlinesBackend,
+)
+from arborlm.constrained.regex_size import regex_shape
 
 TOKENIZER_VOCAB = 49152
 VOCAB_SIZE = TOKENIZER_VOCAB + 40  # logits wider than the tokenizer, and not a multiple of 32
@@ -382,3 +388,43 @@ def test_lenient_mode_still_refuses_what_outlines_cannot_run(value, message):
         grammar_spec_from_params(SamplingParams(json_schema=value, json_schema_lenient=True), "outlines")
     assert message in info.value.message and "use the xgrammar backend" in info.value.message
     assert "json_schema_lenient" not in info.value.message
+
+
+# Ambiguous inside a nested array (a pattern's class takes the closing quote), as JSONSchemaBench's
+# Github_hard/o12409: outlines-core's DFA of it grows for minutes and gigabytes.
+AMBIGUOUS_STEP = {"type": "object", "properties": {"location": {"type": "string", "pattern": "top-left|top-right"},
+                                                    "text": {"type": "string"}}, "required": ["text"]}
+AMBIGUOUS = schema({"type": "object", "properties": {"levels": {"type": "array", "items": {
+    "type": "object", "properties": {"steps": {"type": "array", "items": AMBIGUOUS_STEP}}}}}})
+
+
+def test_the_front_check_reads_the_regex_and_leaves_the_dfa_to_compile(monkeypatch):
+    built = []
+    monkeypatch.setattr(outlines_backend, "_build_index", lambda key, regex, vocabulary: built.append(key.text))
+    OutlinesBackend.check(AMBIGUOUS)
+    OutlinesBackend.check(schema({"type": "string", "maxLength": 32767}))
+    OutlinesBackend.check(regex(r"\d{3}-[a-z]+"))
+    assert built == []
+    # What Python's parser cannot read, or a DFA cannot hold, is still built over bytes in the front.
+    for key in (regex("a(b"), regex("(?=a)b"), regex(r"(a)\1"), regex(r"\p{Greek}+")):
+        OutlinesBackend.check(key)
+    assert built == ["a(b", "(?=a)b", r"(a)\1", r"\p{Greek}+"]
+
+
+def test_repetitions_past_the_budget_are_refused_in_the_front():
+    size = regex_shape(outlines_backend._regex_of(schema({"type": "string", "maxLength": 1000}))).expanded_size
+    assert 1000 <= size < MAX_EXPANDED_REGEX_SIZE
+    OutlinesBackend.check(schema({"type": "string", "maxLength": 1000}))
+    with pytest.raises(GrammarError) as info:
+        OutlinesBackend.check(schema({"type": "object", "properties": {
+            "a": {"type": "string", "maxLength": MAX_EXPANDED_REGEX_SIZE}}}))
+    assert info.value.param == "json_schema" and "bounded repetitions" in info.value.message
+    with pytest.raises(GrammarError) as info:
+        OutlinesBackend.check(regex("(ab{0,1000}){0,1000}"))
+    assert info.value.param == "regex" and "about 1001000 positions" in info.value.message
+
+
+def test_a_regex_rust_alone_reads_is_still_served(tokenizer, eos, compile_key):
+    matcher = compile_key(regex(r"\p{Greek}+")).new_matcher()
+    assert all(matcher.accept_token(t) for t in tokenizer.encode("αβγ", add_special_tokens=False))
+    assert matcher.accept_token(eos)

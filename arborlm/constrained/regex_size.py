@@ -1,0 +1,88 @@
+"""How big a regex is once its counted repetitions are written out, and whether a DFA can hold it.
+
+A DFA builder such as outlines-core's expands ``X{m,n}`` into ``n`` copies of
+``X`` (a JSON schema's ``maxLength: 32767`` becomes 32767 copies of the
+string-character class), so its time and memory grow with this size, not
+with the regex's length: a 291-character regex of three bounded strings took
+15 s and a 2.5 KB one over 5 minutes and 3 GB on this machine. The size is an
+estimate found in microseconds before such a build, so that a caller can
+refuse instead of building for minutes.
+
+The regex is read with Python's ``re`` parser (``re._parser``, the standard
+library's own), whose syntax covers what JSON-schema converters write; a
+pattern it cannot read has no shape (None).
+"""
+
+from __future__ import annotations
+
+import re
+import re._constants as sre_constants
+import re._parser as sre_parser
+from dataclasses import dataclass
+
+_REPEATS = (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT, sre_constants.POSSESSIVE_REPEAT)
+# What a DFA has no state for: anchors and word boundaries inside, look-arounds, back-references.
+_NOT_REGULAR = (sre_constants.AT, sre_constants.ASSERT, sre_constants.ASSERT_NOT, sre_constants.GROUPREF,
+                sre_constants.GROUPREF_EXISTS)
+
+
+@dataclass(frozen=True)
+class RegexShape:
+    """What `regex_shape` found.
+
+    expanded_size: positions with every counted repetition written out (see `regex_shape`).
+    not_regular: the pattern holds an anchor, word boundary, look-around or back-reference.
+    """
+
+    expanded_size: int
+    not_regular: bool
+
+
+def regex_shape(pattern: str) -> RegexShape | None:
+    """The `RegexShape` of ``pattern``; None when ``re`` cannot parse it. Linear in its length.
+
+    Each literal, class, anchor or escape counts 1; a group its contents; an
+    alternation the sum of its branches; ``X{m,n}`` counts ``max(n, 1)`` times
+    ``X`` (``n`` unbounded: ``max(m, 1)`` times, as ``X{m}X*``); a look-around
+    its contents.
+    """
+    try:
+        parsed = sre_parser.parse(pattern)
+    except (re.error, OverflowError, RecursionError, ValueError):
+        return None
+    return RegexShape(_size(parsed), _not_regular(parsed))
+
+
+def _not_regular(items) -> bool:
+    for op, arg in items:
+        if op in _NOT_REGULAR:
+            return True
+        if op in _REPEATS and _not_regular(arg[2]):
+            return True
+        if op == sre_constants.SUBPATTERN and _not_regular(arg[-1]):
+            return True
+        if op == sre_constants.ATOMIC_GROUP and _not_regular(arg):
+            return True
+        if op == sre_constants.BRANCH and any(_not_regular(branch) for branch in arg[1]):
+            return True
+    return False
+
+
+def _size(items) -> int:
+    return sum(_item_size(op, arg) for op, arg in items)
+
+
+def _item_size(op, arg) -> int:
+    if op in _REPEATS:
+        low, high, body = arg
+        copies = max(low, 1) if high == sre_constants.MAXREPEAT else max(high, 1)
+        return copies * _size(body)
+    if op == sre_constants.SUBPATTERN:
+        return _size(arg[-1])
+    if op == sre_constants.ATOMIC_GROUP:
+        return _size(arg)
+    if op == sre_constants.BRANCH:
+        return sum(_size(branch) for branch in arg[1])
+    if op in (sre_constants.ASSERT, sre_constants.ASSERT_NOT):
+        return _size(arg[1])
+    return 1
