@@ -164,6 +164,25 @@ def test_decimal_multiples_are_written_with_the_divisors_fraction_digits(backend
     assert not accepts(backend, tokenizer, eos, grammar, "1.30")
 
 
+@pytest.mark.parametrize(("divisor", "multiples", "others"), [
+    (0.01, ["71.13", "0.07", "-3.30", "1e-2", "12345678.91"], ["71.131", "0.005"]),
+    (0.1, ["0.3", "2.7", "-0.7"], ["0.35"]),
+    (0.25, ["1.75", "3"], ["1.3"]),
+])
+def test_decimal_multiples_validate_exactly(backend, tokenizer, eos, divisor, multiples, others):
+    # jsonschema divides floats: 71.13 / 0.01 = 7112.999..., "not a multiple". A random walk on
+    # llguidance wrote such an amount, and validation aborted an output the grammar rightly allowed.
+    schema = {"type": "object", "properties": {"amount": {"type": "number", "multipleOf": divisor}}}
+    spec = grammar_spec_from_params(SamplingParams(json_schema=json.dumps(schema)), "llguidance")
+    for number in multiples:
+        assert spec.validate_output(f'{{"amount": {number}}}') is None, number
+    for number in others:
+        assert "not a multiple" in spec.validate_output(f'{{"amount": {number}}}'), number
+    grammar = backend.compile(spec.key)
+    if divisor == 0.01:
+        assert accepts(backend, tokenizer, eos, grammar, '{"amount": 71.13}')
+
+
 @pytest.mark.parametrize(("schema", "keyword"), [
     ({"type": "array", "items": STR, "uniqueItems": True}, "uniqueItems"),
     ({"if": {"minLength": 3}, "then": {"required": ["b"]}}, "if"),  # no complement of minLength: not rewritten

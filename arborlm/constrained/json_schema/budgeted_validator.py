@@ -8,6 +8,11 @@ versions that search through the job's budget, so validating against a
 user's schema (enum filtering in `lower`, output validation in `validate`)
 is bounded like every other search of a user pattern.
 
+``multipleOf`` is replaced too, by a decimal one (`_exact_multiple_of`):
+``jsonschema`` divides binary floats, so ``71.13`` is "not a multiple of
+0.01" (71.13 / 0.01 = 7112.999...), and a grammar that enforces two decimals
+exactly (llguidance) had its outputs aborted by this check.
+
 The keyword functions follow ``jsonschema`` 4.x (``_keywords.py``,
 ``_utils.py`` and ``_legacy_keywords.py``, MIT licence) line for line, with
 ``re.search`` replaced; their messages are the same.
@@ -20,6 +25,7 @@ pick the class themselves.
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Any
 
 import referencing.jsonschema
@@ -32,7 +38,7 @@ from arborlm.constrained.json_schema.regex_budget import RegexBudget
 def budgeted_validator_class(cls: type, budget: RegexBudget) -> type:
     """``cls`` (a ``jsonschema`` validator class) with its regex keywords searching through ``budget``.
 
-    Only keywords ``cls``'s dialect has are replaced (draft 4 to 7 have no
+    ``multipleOf`` is decided in decimal (`_exact_multiple_of`). Only keywords ``cls``'s dialect has are replaced (draft 4 to 7 have no
     ``unevaluatedProperties``). Building a class costs about 0.7 ms.
 
     Raises (from the validator's methods)
@@ -45,6 +51,7 @@ def budgeted_validator_class(cls: type, budget: RegexBudget) -> type:
         "patternProperties": _pattern_properties_keyword(budget),
         "additionalProperties": _additional_properties_keyword(budget),
         "unevaluatedProperties": _unevaluated_properties_keyword(budget, legacy=cls is js_validators.Draft201909Validator),
+        "multipleOf": _exact_multiple_of,
     }
     return js_validators.extend(cls, {k: f for k, f in keywords.items() if k in cls.VALIDATORS})
 
@@ -67,6 +74,19 @@ def without_dialects(schema: Any, cls: type) -> Any:
             resource.contents.pop("$schema", None)
         todo.extend(resource.subresources())
     return schema
+
+
+def _exact_multiple_of(validator, divisor, instance, schema):
+    """``multipleOf`` on the numbers' shortest decimal forms (``repr``), exactly, as written in JSON.
+
+    A JSON number of at most 17 significant digits reads back from its float
+    as the text it was written as, so ``71.13`` is 7113/100 here, a multiple
+    of 0.01 (1/100); ``jsonschema``'s float division says it is not.
+    """
+    if not validator.is_type(instance, "number"):
+        return
+    if (Fraction(repr(instance)) / Fraction(repr(divisor))).denominator != 1:
+        yield ValidationError(f"{instance!r} is not a multiple of {divisor}")
 
 
 def _pattern_keyword(budget: RegexBudget):
