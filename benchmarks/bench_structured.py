@@ -137,18 +137,21 @@ def compile_all(backend_name, tokenizer, eos_ids, subsets, timeout_s, walks: int
     manager = GrammarManager(backend, compile_timeout=timeout_s)
     specs, status, pending, outcomes, fill_us = {}, {}, {}, Counter(), []
     rng = random.Random(0)
-    for sid, schema in (item for items in subsets.values() for item in items):
-        try:
-            spec = grammar_spec_from_params(SamplingParams(json_schema=schema), backend_name)
-        except GrammarError as e:
-            status[sid] = f"refused: {e.message[:120]}"
-            continue
-        specs[sid] = spec
-        pending[sid] = manager.request(spec.key)
-        if walks:  # one compile at a time: each gets its whole timeout and the cores to itself
-            _finish(manager, {sid: pending.pop(sid)}, specs, status, walks, rng, eos_ids[0], outcomes, fill_us,
-                    None)
-    with tqdm(total=len(pending), desc=f"compile {backend_name}", file=sys.stderr) as bar:
+    items = [item for items in subsets.values() for item in items]
+    with tqdm(total=len(items), desc=f"{backend_name}: check, compile" + (", walk" if walks else ""),
+              file=sys.stderr) as bar:
+        for sid, schema in items:
+            try:
+                spec = grammar_spec_from_params(SamplingParams(json_schema=schema), backend_name)
+            except GrammarError as e:
+                status[sid] = f"refused: {e.message[:120]}"
+                bar.update(1)
+                continue
+            specs[sid] = spec
+            pending[sid] = manager.request(spec.key)
+            if walks:  # one compile at a time: each gets its whole timeout and the cores to itself
+                _finish(manager, {sid: pending.pop(sid)}, specs, status, walks, rng, eos_ids[0], outcomes, fill_us,
+                        bar)
         _finish(manager, pending, specs, status, walks, rng, eos_ids[0], outcomes, fill_us, bar)
     compile_times = list(manager.stats()["compile_times_s"])
     if walks:
