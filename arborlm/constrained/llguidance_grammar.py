@@ -41,7 +41,10 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
-from arborlm.constrained.json_schema.llguidance import bound_integer_digits
+from arborlm.constrained.json_schema.llguidance import (
+    bound_integer_digits,
+    unimplemented_keyword_paths,
+)
 from arborlm.constrained.keys import ANY_JSON, GrammarError, GrammarKey
 from arborlm.constrained.regex_constraint import RegexDialect, dot_as_class
 from arborlm.constrained.structural_tags import from_legacy_structural_tag
@@ -98,13 +101,22 @@ def validate(key: GrammarKey, grammar: str, tokenizer: llguidance.LLTokenizer | 
     Raises
     ------
     GrammarError
-        llguidance's error (a keyword it does not implement, a ``$ref`` it
+        llguidance's error (a keyword it does not implement, named with its path in the schema, a ``$ref`` it
         cannot resolve, an unknown ``format``, a Lark or regex syntax error),
         ``param`` = ``key.param``.
     """
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-    if is_error:
-        raise grammar_error(key, messages[0] if messages else "rejected by llguidance")
+    if not is_error:
+        return
+    detail = messages[0] if messages else "rejected by llguidance"
+    if key.kind == "json_schema" and key.text != ANY_JSON:
+        where = unimplemented_keyword_paths(json.loads(key.text), detail)
+        if where is not None:  # worded as the other backends' refusals, which name keyword and path
+            raise GrammarError(
+                f"json_schema uses keywords the grammar cannot enforce: {', '.join(where)} (llguidance does not "
+                "implement them). Set json_schema_lenient to leave them out of the grammar; the finished output "
+                "is still validated against the whole schema", key.param)
+    raise grammar_error(key, detail)
 
 
 def grammar_error(key: GrammarKey, detail: str) -> GrammarError:

@@ -202,6 +202,20 @@ def test_what_stays_unenforceable_is_refused_by_name_unless_lenient(backend, tok
     assert allowed_ids(grammar.new_matcher())  # compiles, and the final validation still judges each output
 
 
+@pytest.mark.parametrize(("schema", "named"), [
+    ({"type": "object", "properties": {"n": {"type": "integer", "not": {"minimum": 5}}}}, "not at /properties/n"),
+    ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "uniqueItems at /"),
+    ({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "object", "properties": {
+        "b": {"if": {"minLength": 3}, "then": {"maxLength": 5}}}}}}}, "if at /properties/a/items/properties/b"),
+])
+def test_a_keyword_llguidance_lacks_is_refused_with_its_path(schema, named):
+    with pytest.raises(GrammarError) as info:
+        grammar_spec_from_params(SamplingParams(json_schema=json.dumps(schema)), "llguidance")
+    assert info.value.param == "json_schema"
+    assert f"keywords the grammar cannot enforce: {named}" in info.value.message
+    assert "json_schema_lenient" in info.value.message
+
+
 def test_remote_ref_is_refused_and_nothing_is_fetched():
     schema = {"type": "object", "properties": {"a": {"$ref": "https://example.invalid/schema.json"}}}
     for lenient in (False, True):

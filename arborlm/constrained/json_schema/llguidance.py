@@ -306,13 +306,26 @@ def relax_for_llguidance(schema: dict) -> Relaxed:
     """
     grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides={"coerce_one_of": True})
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    unimplemented = _UNIMPLEMENTED.search(messages[0]) if is_error and messages else None
+    unimplemented = unimplemented_keyword_paths(schema, messages[0]) if is_error and messages else None
     if unimplemented is None:
         return Relaxed(schema)
+    return Relaxed(schema, unimplemented)
+
+
+def unimplemented_keyword_paths(schema: Any, message: str) -> tuple[str, ...] | None:
+    """``"kw at /json/pointer"`` for each keyword llguidance's ``message`` says it does not implement.
+
+    None when ``message`` is not llguidance's "Unimplemented keys" refusal; a
+    keyword it names that is not found under ``schema`` is given as
+    ``"kw (ignored by llguidance)"``.
+    """
+    unimplemented = _UNIMPLEMENTED.search(message)
+    if unimplemented is None:
+        return None
     keywords = set(re.findall(r'"([^"]+)"', unimplemented.group(1)))
     found: list[str] = []
     _find_keywords(schema, "", keywords, found)
-    return Relaxed(schema, tuple(found) or tuple(f"{k} (ignored by llguidance)" for k in sorted(keywords)))
+    return tuple(found) or tuple(f"{k} (ignored by llguidance)" for k in sorted(keywords))
 
 
 def _find_keywords(schema: Any, path: str, keywords: set[str], found: list[str]) -> None:
