@@ -67,6 +67,7 @@ from typing import Any
 import llguidance
 
 from arborlm.constrained.json_schema.nodes import TYPES, Relaxed
+from arborlm.constrained.json_schema.property_names import names_as_properties
 from arborlm.constrained.json_schema.values import unique
 
 # The formats llguidance 1.9 enforces (its `Unknown format` error names any other).
@@ -410,7 +411,10 @@ def lower_not(schema: dict) -> None:
 
 def lower_property_names(schema: dict) -> None:
     """``propertyNames`` of a pattern, names or lengths as ``patternProperties`` (see the module docstring)."""
+    names_as_properties(schema)
     names = schema.get("propertyNames")
+    if names is None:
+        return
     if names is False:
         del schema["propertyNames"]
         schema["maxProperties"] = 0

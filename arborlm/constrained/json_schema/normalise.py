@@ -65,6 +65,7 @@ from arborlm.constrained.json_schema.nodes import (
     type_set,
     upper_bound,
 )
+from arborlm.constrained.json_schema.property_names import names_as_properties
 from arborlm.constrained.json_schema.regex_budget import RegexBudget
 from arborlm.constrained.json_schema.values import json_intersection, unique
 from arborlm.constrained.keys import GrammarError
@@ -356,7 +357,7 @@ class Normaliser:
         parts.append(own)
         self._applicators(kw, parts, resolver, path)
         self._dependencies(kw, parts, resolver, path)
-        return self.merger.merge(parts, path)
+        return names_as_properties(self.merger.merge(parts, path))
 
     def _type_and_values(self, kw: dict, own: dict) -> None:
         if "type" in kw:
@@ -522,3 +523,4 @@ def _refs_in(node: Any) -> list[str]:
         elif isinstance(x, list):
             stack.extend(x)
     return out
+
