@@ -4,9 +4,11 @@ A DFA builder such as outlines-core's expands ``X{m,n}`` into ``n`` copies of
 ``X`` (a JSON schema's ``maxLength: 32767`` becomes 32767 copies of the
 string-character class), so its time and memory grow with this size, not
 with the regex's length: a 291-character regex of three bounded strings took
-15 s and a 2.5 KB one over 5 minutes and 3 GB on this machine. The size is an
-estimate found in microseconds before such a build, so that a caller can
-refuse instead of building for minutes.
+15 s on this machine. (They grow with ambiguity too, which no cheap measure
+sees: a 2.5 KB regex of size 64k took over 5 minutes and 3 GB; a caller that
+must answer at once should not build the DFA at all.) The size is found in
+microseconds before such a build, so that a caller can refuse what would
+take minutes for its repetitions alone.
 
 The regex is read with Python's ``re`` parser (``re._parser``, the standard
 library's own), whose syntax covers what JSON-schema converters write; a
