@@ -18,11 +18,19 @@ pattern it cannot read has no shape (None).
 from __future__ import annotations
 
 import re
-import re._constants as sre_constants
-import re._parser as sre_parser
 from dataclasses import dataclass
 
-_REPEATS = (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT, sre_constants.POSSESSIVE_REPEAT)
+try:  # Python 3.11 and later
+    import re._constants as sre_constants
+    import re._parser as sre_parser
+except ImportError:  # Python 3.10
+    import sre_constants
+    import sre_parse as sre_parser
+
+# POSSESSIVE_REPEAT and ATOMIC_GROUP came with Python 3.11; None matches no opcode before it.
+_POSSESSIVE_REPEAT = getattr(sre_constants, "POSSESSIVE_REPEAT", None)
+_ATOMIC_GROUP = getattr(sre_constants, "ATOMIC_GROUP", None)
+_REPEATS = (sre_constants.MAX_REPEAT, sre_constants.MIN_REPEAT, _POSSESSIVE_REPEAT)
 # What a DFA has no state for: anchors and word boundaries inside, look-arounds, back-references.
 _NOT_REGULAR = (sre_constants.AT, sre_constants.ASSERT, sre_constants.ASSERT_NOT, sre_constants.GROUPREF,
                 sre_constants.GROUPREF_EXISTS)
@@ -63,7 +71,7 @@ def _not_regular(items) -> bool:
             return True
         if op == sre_constants.SUBPATTERN and _not_regular(arg[-1]):
             return True
-        if op == sre_constants.ATOMIC_GROUP and _not_regular(arg):
+        if op == _ATOMIC_GROUP and _not_regular(arg):
             return True
         if op == sre_constants.BRANCH and any(_not_regular(branch) for branch in arg[1]):
             return True
@@ -81,7 +89,7 @@ def _item_size(op, arg) -> int:
         return copies * _size(body)
     if op == sre_constants.SUBPATTERN:
         return _size(arg[-1])
-    if op == sre_constants.ATOMIC_GROUP:
+    if op == _ATOMIC_GROUP:
         return _size(arg)
     if op == sre_constants.BRANCH:
         return sum(_size(branch) for branch in arg[1])
