@@ -181,7 +181,7 @@ def test_a_layer_of_quantized_and_plain_linears():
     the float32 one. One layer with the float32 linear last: a later quantized linear would
     quantize its input per block to int8, where a float32 summation-order difference can move
     a value across a rounding boundary (one int8 step, far above `F32_TOL`; MKL's order
-    differs between CPUs)."""
+    differs between CPUs). The output is held to `F32_TOL` of each row's largest value."""
     case, dtype = CASES["smollm2"], torch.float32
     s = case.shape
     plain = {"down": fused.LinearWeights(_float(s.hidden, s.intermediate, seed=5), None, None)}
@@ -193,7 +193,11 @@ def test_a_layer_of_quantized_and_plain_linears():
     assert got[0].abs().sum() > 0
     for name, g, w in zip(("residual", "k_pool", "v_pool"), got[1:], want[1:]):
         assert torch.equal(g, w), name  # everything before the float32 linear is quantized
-    assert ((got[0].double() - want[0].double()).abs() <= F32_TOL * (1 + want[0].double().abs())).all()
+    # Against each row's largest value: where a row's terms cancel (0.6 among values of 1700),
+    # two float32 summation orders differ by more than F32_TOL of that small result (6.7e-4 here,
+    # on an AMD EPYC: 4.8e-7 of the row's largest value).
+    error = (got[0].double() - want[0].double()).abs()
+    assert (error <= F32_TOL * (1 + want[0].double().abs().amax(dim=1, keepdim=True))).all()
 
 
 def test_refuses_quantized_weights_the_native_path_would_not_take():
