@@ -41,10 +41,8 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
-from arborlm.constrained.json_schema.llguidance import (
-    bound_integer_digits,
-    unimplemented_keyword_paths,
-)
+from arborlm.constrained.json_schema.llguidance import bound_integer_digits, unimplemented_keywords
+from arborlm.constrained.json_schema.nodes import refusal_message
 from arborlm.constrained.keys import ANY_JSON, GrammarError, GrammarKey
 from arborlm.constrained.regex_constraint import RegexDialect, dot_as_class
 from arborlm.constrained.structural_tags import from_legacy_structural_tag
@@ -110,12 +108,9 @@ def validate(key: GrammarKey, grammar: str, tokenizer: llguidance.LLTokenizer | 
         return
     detail = messages[0] if messages else "rejected by llguidance"
     if key.kind == "json_schema" and key.text != ANY_JSON:
-        where = unimplemented_keyword_paths(json.loads(key.text), detail)
-        if where is not None:  # worded as the other backends' refusals, which name keyword and path
-            raise GrammarError(
-                f"json_schema uses keywords the grammar cannot enforce: {', '.join(where)} (llguidance does not "
-                "implement them). Set json_schema_lenient to leave them out of the grammar; the finished output "
-                "is still validated against the whole schema", key.param)
+        unimplemented = unimplemented_keywords(json.loads(key.text), detail)
+        if unimplemented is not None:  # named with their paths, as the other backends' refusals
+            raise GrammarError(refusal_message(unimplemented), key.param)
     raise grammar_error(key, detail)
 
 

@@ -66,7 +66,7 @@ from typing import Any
 
 import llguidance
 
-from arborlm.constrained.json_schema.nodes import TYPES, Relaxed
+from arborlm.constrained.json_schema.nodes import TYPES, Problem, Relaxed
 from arborlm.constrained.json_schema.property_names import names_as_properties
 from arborlm.constrained.json_schema.values import unique
 
@@ -76,6 +76,7 @@ LLGUIDANCE_FORMATS = frozenset({
 })  # fmt: skip
 # llguidance's refusal of the keywords it does not implement.
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
+LLGUIDANCE_LACKS = "llguidance does not implement it"
 # Largest |integer| a JSON integer without a range may be written as on llguidance (1 and 18 zeros:
 # llguidance cannot build the range regex of int64's bounds).
 INTEGER_BOUND = 10**18
@@ -307,32 +308,31 @@ def relax_for_llguidance(schema: dict) -> Relaxed:
     """
     grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides={"coerce_one_of": True})
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    unimplemented = unimplemented_keyword_paths(schema, messages[0]) if is_error and messages else None
+    unimplemented = unimplemented_keywords(schema, messages[0]) if is_error and messages else None
     if unimplemented is None:
         return Relaxed(schema)
-    return Relaxed(schema, unimplemented)
+    return Relaxed(schema, tuple(f"{keyword} at {path or '/'}" for keyword, path, _ in unimplemented))
 
 
-def unimplemented_keyword_paths(schema: Any, message: str) -> tuple[str, ...] | None:
-    """``"kw at /json/pointer"`` for each keyword llguidance's ``message`` says it does not implement.
+def unimplemented_keywords(schema: Any, message: str) -> list[Problem] | None:
+    """Each keyword llguidance's ``message`` says it does not implement, with its JSON pointer in ``schema``.
 
-    None when ``message`` is not llguidance's "Unimplemented keys" refusal; a
-    keyword it names that is not found under ``schema`` is given as
-    ``"kw (ignored by llguidance)"``.
+    None when ``message`` is not llguidance's "Unimplemented keys" refusal. A
+    keyword it names that is not found under ``schema`` is given at the root.
     """
     unimplemented = _UNIMPLEMENTED.search(message)
     if unimplemented is None:
         return None
     keywords = set(re.findall(r'"([^"]+)"', unimplemented.group(1)))
-    found: list[str] = []
+    found: list[tuple[str, str]] = []
     _find_keywords(schema, "", keywords, found)
-    return tuple(found) or tuple(f"{k} (ignored by llguidance)" for k in sorted(keywords))
+    return [Problem(keyword, path, LLGUIDANCE_LACKS) for keyword, path in found or [(k, "") for k in sorted(keywords)]]
 
 
-def _find_keywords(schema: Any, path: str, keywords: set[str], found: list[str]) -> None:
+def _find_keywords(schema: Any, path: str, keywords: set[str], found: list[tuple[str, str]]) -> None:
     if not isinstance(schema, dict):
         return
-    found.extend(f"{k} at {path or '/'}" for k in schema if k in keywords)
+    found.extend((k, path) for k in schema if k in keywords)
     for tail, sub, _ in _children(schema):
         _find_keywords(sub, f"{path}/{tail}", keywords, found)
 

@@ -71,6 +71,22 @@ class Problems:
         self.items.append(Problem(keyword, path, reason))
 
 
+# Most problems a refusal names one by one (the rest are counted).
+MAX_NAMED_PROBLEMS = 8
+
+
+def refusal_message(problems: list[Problem]) -> str:
+    """The 400's message for a schema whose ``problems`` the grammar cannot enforce (every backend words it so)."""
+    named = [f"{keyword} at {path or '/'} ({reason})" for keyword, path, reason in problems[:MAX_NAMED_PROBLEMS]]
+    more = len(problems) - len(named)
+    tail = f"; and {more} more" if more > 0 else ""
+    return (
+        "json_schema uses keywords the grammar cannot enforce: " + "; ".join(named) + tail
+        + ". Set json_schema_lenient to leave them out of the grammar; the finished output "
+        "is still validated against the whole schema"
+    )
+
+
 def first_of_each(problems: Iterable[Problem]) -> list[Problem]:
     """``problems`` keeping the first of each (keyword, path): phases and reruns may repeat one."""
     seen: set[tuple[str, str]] = set()

@@ -17,7 +17,13 @@ from jsonschema import validators as js_validators
 
 from arborlm.constrained.json_schema.conditionals import rewrite_conditionals
 from arborlm.constrained.json_schema.lower import lower_document
-from arborlm.constrained.json_schema.nodes import DRAFT_YEAR, PARAM, Problem, first_of_each
+from arborlm.constrained.json_schema.nodes import (
+    DRAFT_YEAR,
+    PARAM,
+    Problem,
+    first_of_each,
+    refusal_message,
+)
 from arborlm.constrained.json_schema.normalise import Normaliser
 from arborlm.constrained.json_schema.parse import (
     dialect_of,
@@ -29,9 +35,6 @@ from arborlm.constrained.json_schema.parse import (
 from arborlm.constrained.json_schema.policy import XGRAMMAR_POLICY, SchemaForm, SchemaPolicy
 from arborlm.constrained.json_schema.regex_budget import PREPARE_REGEX_BUDGET_S, RegexBudget
 from arborlm.constrained.keys import GrammarError
-
-# Most refused keywords named in one error message.
-MAX_NAMED_PROBLEMS = 8
 
 
 @dataclass(frozen=True)
@@ -116,7 +119,7 @@ def _prepare(schema: str | dict | bool, lenient: bool, policy: SchemaPolicy, bud
         raise GrammarError("json_schema is `false`, which accepts no value", PARAM)
     text, problems = _rewrite(raw, cls, policy, budget)
     if problems and not lenient:
-        raise GrammarError(_refusal_message(problems), PARAM)
+        raise GrammarError(refusal_message(problems), PARAM)
     dropped = tuple(f"{keyword} at {path or '/'}" for keyword, path, _ in problems)
     if lenient and policy.relax is not None:
         relaxed = policy.relax(json.loads(text))  # a fresh value, which relax may change
@@ -158,14 +161,3 @@ def _too_deep_message(error: BaseException) -> str:
     where = f" (it gave up at {shorten(paths[-1] or '/', 200)})" if paths else ""
     return ("json_schema nests or recurses further than the schema rewrite can follow (deeply nested "
             f"regex groups, or $refs combined one inside the other){where}")
-
-
-def _refusal_message(problems: list[Problem]) -> str:
-    named = [f"{keyword} at {path or '/'} ({reason})" for keyword, path, reason in problems[:MAX_NAMED_PROBLEMS]]
-    more = len(problems) - len(named)
-    tail = f"; and {more} more" if more > 0 else ""
-    return (
-        "json_schema uses keywords the grammar cannot enforce: " + "; ".join(named) + tail
-        + ". Set json_schema_lenient to leave them out of the grammar; the finished output "
-        "is still validated against the whole schema"
-    )
