@@ -237,9 +237,7 @@ class XGrammarBackend(GrammarBackend):
             self.check(key)  # raises the unsupported-kind error
         grammar = build_grammar(key)
         if key.kind in ("json_schema", "json_object", "structural_tag"):
-            grammar = exclude_raw_control_characters(grammar)
-        if key.kind in ("json_schema", "json_object") and not key.lenient:
-            grammar = bound_number_digits(grammar)
+            grammar = rewrite_json_grammar(grammar, bound_digits=key.kind != "structural_tag" and not key.lenient)
         jump_forward = can_always_finish(key, grammar)
         try:
             return XGrammarCompiledGrammar(self.compiler.compile_grammar(grammar), jump_forward)
@@ -304,16 +302,6 @@ def build_tokenizer_info(tokenizer, vocab_size: int, eos_token_ids) -> xgr.Token
     return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=vocab_size, stop_token_ids=stop_ids)
 
 
-def bound_number_digits(grammar: xgr.Grammar) -> xgr.Grammar:
-    """``grammar`` (a JSON grammar) with its number literals' digits bounded (`number_bounds`).
-
-    The printed grammar is rewritten and parsed again (about a millisecond
-    per 10 KB of grammar). Should xgrammar not read back what it printed,
-    the unbounded grammar is kept and a warning logged.
-    """
-    return _rewritten(grammar, bound_ebnf_digits, "number digits left unbounded")
-
-
 # xgrammar 0.2.9 writes the characters of a string with minLength/maxLength (and no pattern)
 # as LENGTH_STRING_CLASS, which lets raw control characters other than CR and LF into a JSON
 # string (invalid JSON, "Invalid control character"); its other strings use JSON_STRING_CLASS.
@@ -323,28 +311,26 @@ LENGTH_STRING_CLASS = r'[^\"\\\r\n]'
 JSON_STRING_CLASS = r'[^\0-\x1f\"\\\r\n]'
 
 
-def exclude_raw_control_characters(grammar: xgr.Grammar) -> xgr.Grammar:
-    """``grammar`` (JSON, or a structural tag holding JSON) with no raw U+0000-U+001F inside a string.
+def rewrite_json_grammar(grammar: xgr.Grammar, bound_digits: bool) -> xgr.Grammar:
+    """``grammar`` (JSON, or a structural tag holding JSON) with no raw U+0000-U+001F inside a string
+    and, with ``bound_digits``, its number literals' digits bounded (`number_bounds`).
 
-    Rewrites every `LENGTH_STRING_CLASS` of the printed grammar to
-    `JSON_STRING_CLASS` and parses it again; a grammar without that class is
+    The printed grammar is rewritten and parsed again, once for both (about a
+    millisecond per 10 KB of grammar); a grammar neither rewrite changes is
     returned as it is. Should xgrammar not read back what it printed, the
-    grammar is kept and a warning logged (validation still catches such output).
+    grammar is kept and a warning logged (validation still judges the output).
     """
-    return _rewritten(grammar, lambda text: text.replace(LENGTH_STRING_CLASS, JSON_STRING_CLASS),
-                      "raw control characters left allowed in length-bounded strings")
-
-
-def _rewritten(grammar: xgr.Grammar, rewrite, failure: str) -> xgr.Grammar:
-    """``grammar`` printed, passed through ``rewrite`` (str -> str) and parsed again, or kept when unchanged."""
     text = str(grammar)
-    rewritten = rewrite(text)
+    rewritten = text.replace(LENGTH_STRING_CLASS, JSON_STRING_CLASS)
+    if bound_digits:
+        rewritten = bound_ebnf_digits(rewritten)
     if rewritten == text:
         return grammar
     try:
         return xgr.Grammar.from_ebnf(rewritten, root_rule_name="root")
     except Exception as e:  # xgrammar raises RuntimeError with a C++ log prefix
-        logger.warning("%s: xgrammar cannot read its grammar back (%s)", failure, _first_line(e))
+        logger.warning("raw control characters left allowed or number digits left unbounded: xgrammar cannot "
+                       "read its grammar back (%s)", _first_line(e))
         return grammar
 
 
