@@ -72,9 +72,11 @@ def test_the_rewrite():
     assert names_as_properties(schema) == {
         "type": "object", "properties": {"p": {"type": "string"}, "z": False, "q": {"type": "integer"}},
         "required": ["p"], "additionalProperties": False}
+    assert names_as_properties({"propertyNames": {"const": "a"}}) == {"properties": {"a": {}},
+                                                                      "additionalProperties": False}
     # Left alone: beside patternProperties, names that are not all strings, too many names, other conditions.
     for names in ({"enum": ["a", 1]}, {"enum": [f"n{i}" for i in range(MAX_NAMES_AS_PROPERTIES + 1)]},
-                  {"enum": ["a"], "maxLength": 3}, {"pattern": "^a$"}, {"enum": ["a"], "type": "integer"}):
+                  {"enum": ["a"], "maxLength": 3}, {"pattern": "^a$"}, {"enum": ["a"], "const": "a"}, {"enum": ["a"], "type": "integer"}):
         schema = {"type": "object", "propertyNames": names}
         assert names_as_properties(json.loads(json.dumps(schema))) == schema
     schema = {"type": "object", "propertyNames": {"enum": ["a"]}, "patternProperties": {"^b$": {}}}

@@ -523,4 +523,3 @@ def _refs_in(node: Any) -> list[str]:
         elif isinstance(x, list):
             stack.extend(x)
     return out
-

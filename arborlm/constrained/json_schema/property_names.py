@@ -26,9 +26,9 @@ def names_as_properties(schema: Any) -> Any:
     if not isinstance(schema, dict) or "patternProperties" in schema:
         return schema
     names = schema.get("propertyNames")
-    if not isinstance(names, dict) or set(names) - {"enum", "type"} or "enum" not in names:
+    if not isinstance(names, dict) or set(names) - {"enum", "const", "type"} or len(set(names) - {"type"}) != 1:
         return schema
-    listed = names["enum"]
+    listed = names["enum"] if "enum" in names else [names["const"]]
     if len(listed) > MAX_NAMES_AS_PROPERTIES or not all(isinstance(n, str) for n in listed):
         return schema
     types = names.get("type", "string")
