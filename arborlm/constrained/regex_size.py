@@ -60,39 +60,39 @@ def regex_shape(pattern: str) -> RegexShape | None:
         parsed = sre_parser.parse(pattern)
     except (re.error, OverflowError, RecursionError, ValueError):
         return None
-    return RegexShape(_size(parsed), _not_regular(parsed))
+    return RegexShape(*_shape(parsed))
 
 
-def _not_regular(items) -> bool:
+def _shape(items) -> tuple[int, bool]:
+    """(expanded size, not regular) of a parsed sequence, in one walk."""
+    size, not_regular = 0, False
     for op, arg in items:
-        if op in _NOT_REGULAR:
-            return True
-        if op in _REPEATS and _not_regular(arg[2]):
-            return True
-        if op == sre_constants.SUBPATTERN and _not_regular(arg[-1]):
-            return True
-        if op == _ATOMIC_GROUP and _not_regular(arg):
-            return True
-        if op == sre_constants.BRANCH and any(_not_regular(branch) for branch in arg[1]):
-            return True
-    return False
+        not_regular = not_regular or op in _NOT_REGULAR
+        parts = _parts(op, arg)
+        if not parts:
+            size += 1
+            continue
+        copies = 1
+        if op in _REPEATS:
+            low, high, _ = arg
+            copies = max(low, 1) if high == sre_constants.MAXREPEAT else max(high, 1)
+        for part in parts:
+            part_size, part_not_regular = _shape(part)
+            size += copies * part_size
+            not_regular = not_regular or part_not_regular
+    return size, not_regular
 
 
-def _size(items) -> int:
-    return sum(_item_size(op, arg) for op, arg in items)
-
-
-def _item_size(op, arg) -> int:
+def _parts(op, arg) -> list:
+    """The parsed sub-sequences of a group, repeat, alternation or look-around; [] for an atom."""
     if op in _REPEATS:
-        low, high, body = arg
-        copies = max(low, 1) if high == sre_constants.MAXREPEAT else max(high, 1)
-        return copies * _size(body)
+        return [arg[2]]
     if op == sre_constants.SUBPATTERN:
-        return _size(arg[-1])
+        return [arg[-1]]
     if op == _ATOMIC_GROUP:
-        return _size(arg)
+        return [arg]
     if op == sre_constants.BRANCH:
-        return sum(_size(branch) for branch in arg[1])
+        return list(arg[1])
     if op in (sre_constants.ASSERT, sre_constants.ASSERT_NOT):
-        return _size(arg[1])
-    return 1
+        return [arg[1]]
+    return []
