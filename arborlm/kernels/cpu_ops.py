@@ -55,15 +55,18 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 # -ffp-contract=off: no fused multiply-adds, so float32 results round as torch's ops do.
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
-ABI_VERSION = 3
+ABI_VERSION = 4
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+# What a KV pool layer stores, as `arborlm_decode_attention` numbers it: q's dtype, or one
+# byte per value (`kv_cache_dtype`; int8 with an fp16 scale per slot and KV head).
+KV_DTYPE_CODES = {**_DTYPE_CODES, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3, torch.int8: 4}
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     "arborlm_rms_norm": (ctypes.c_int, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _f32),
     "arborlm_silu_and_mul": (ctypes.c_int, _ptr, _i64, _ptr, _i64, _i64, _i64),
     "arborlm_rotary": (ctypes.c_int, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr),
     "arborlm_decode_attention": (
-        ctypes.c_int, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32, _i64, _f32,
+        ctypes.c_int, ctypes.c_int, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32, _i64, _f32,
         _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr,
     ),
     "arborlm_amx_ready": (),
@@ -414,20 +417,25 @@ class NativeLayerOps(LayerOps):
         logit_cap: float = 0.0,
         new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         check: bool = True,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Decode attention over the paged pool, K/V read in place.
 
-        q: (batch, num_q_heads, head_dim), heads contiguous within a row.
-        k_buffer, v_buffer: (slots, num_kv_heads, head_dim) contiguous, q's dtype.
+        q: (batch, num_q_heads, head_dim) float32 or bfloat16, heads contiguous within a row.
+        k_buffer, v_buffer: (slots, num_kv_heads, head_dim) contiguous, in q's dtype or
+        one byte per value (float8_e4m3fn, float8_e5m2, or int8 with `kv_scales`),
+        widened in registers as each row is read.
         req_to_token: (pool_rows, max_context) int32; req_pool_indices, seq_lens:
         (batch,) int64 CPU. Semantics as `reference.decode_attention`; indices are the
         scheduler's and are not range-checked (an out-of-range slot reads out of bounds).
         sliding_window: None (or 0) = no window.
         new_kv: `(k, v, out_cache_loc)` to store first (k, v: (batch, num_kv_heads,
         head_dim), heads contiguous; out_cache_loc: (batch,) int64), as
-        `pool.set_kv_buffer` would.
+        `pool.set_kv_buffer` would; pools of q's dtype only.
         check: False skips `can_decode` when the caller has checked tensors of
             the same layout (a step checks its first layer only).
+        kv_scales: an int8 pool's (k_scale, v_scale), (slots, num_kv_heads) float16
+            contiguous: row (slot, head) holds `buffer[slot, head] * scale[slot, head]`.
 
         Returns (batch, num_q_heads, head_dim) in q's dtype.
 
@@ -436,7 +444,7 @@ class NativeLayerOps(LayerOps):
         ValueError
             For layouts the kernel does not take (check `can_decode` first).
         """
-        if check and not self.can_decode(q, k_buffer, v_buffer, req_to_token, new_kv):
+        if check and not self.can_decode(q, k_buffer, v_buffer, req_to_token, new_kv, kv_scales):
             raise ValueError("decode_attention: unsupported dtype, device or layout for the native kernel")
         batch, num_q_heads, head_dim = q.shape
         out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype)
@@ -447,9 +455,11 @@ class NativeLayerOps(LayerOps):
             k, v, loc = new_kv
             loc = loc.to(torch.int64).contiguous()
             store = (k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), loc.data_ptr())
+        scales = (None, None) if kv_scales is None else (kv_scales[0].data_ptr(), kv_scales[1].data_ptr())
         self.lib.arborlm_decode_attention(
-            _DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), k_buffer.data_ptr(), v_buffer.data_ptr(),
-            req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(), seq_lens.data_ptr(),
+            _DTYPE_CODES[q.dtype], KV_DTYPE_CODES[k_buffer.dtype], q.data_ptr(), q.stride(0), k_buffer.data_ptr(),
+            v_buffer.data_ptr(), *scales, req_to_token.data_ptr(), req_to_token.stride(0),
+            req_pool_indices.data_ptr(), seq_lens.data_ptr(),
             batch, num_q_heads, k_buffer.shape[1], head_dim, scale, sliding_window or 0, logit_cap,
             out.data_ptr(), out.stride(0), *store,
         )
@@ -501,20 +511,26 @@ class NativeLayerOps(LayerOps):
         )
 
     @staticmethod
-    def can_decode(q, k_buffer, v_buffer, req_to_token, new_kv=None) -> bool:
-        """Whether `decode_attention` takes these tensors."""
+    def can_decode(q, k_buffer, v_buffer, req_to_token, new_kv=None, kv_scales=None) -> bool:
+        """Whether `decode_attention` takes these tensors (a pool of q's dtype, or of one
+        byte per value: fp8, or int8 with its `kv_scales`; a new_kv store only into the first)."""
+        same_dtype = k_buffer.dtype == q.dtype
         ok = (
-            q.dim() == 3 and _rows_ok(q) and q.stride(1) == q.shape[2]
-            and k_buffer.dtype == q.dtype and v_buffer.dtype == q.dtype
+            q.dim() == 3 and _rows_ok(q) and q.stride(1) == q.shape[2] and q.dtype in _DTYPE_CODES
+            and (same_dtype or k_buffer.dtype in KV_DTYPE_CODES) and v_buffer.dtype == k_buffer.dtype
+            and (kv_scales is not None) == (k_buffer.dtype == torch.int8)
             and k_buffer.is_contiguous() and v_buffer.is_contiguous() and k_buffer.device.type == "cpu"
             and k_buffer.dim() == 3 and v_buffer.shape == k_buffer.shape and q.shape[2] == k_buffer.shape[2]
             and req_to_token.dtype == torch.int32 and req_to_token.stride(1) == 1
             and q.shape[1] % k_buffer.shape[1] == 0
         )
+        if ok and kv_scales is not None:
+            ok = all(s.dtype == torch.float16 and s.is_contiguous() and s.shape == k_buffer.shape[:2]
+                     for s in kv_scales)
         if not ok or new_kv is None:
             return ok
         k, v, loc = new_kv
-        return all(
+        return same_dtype and all(
             t.dtype == q.dtype and t.shape == (q.shape[0],) + tuple(k_buffer.shape[1:])
             and _rows_ok(t) and t.stride(1) == t.shape[2]
             for t in (k, v)

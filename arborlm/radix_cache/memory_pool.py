@@ -179,6 +179,13 @@ class TokenToKVPool:
         """K and V of one layer: two (size + 1, num_kv_heads, head_dim) views, in `dtype`."""
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 
+    def get_kv_scales(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An int8 pool's scales of one layer: (k_scale, v_scale), two (size + 1,
+        num_kv_heads) float16 views (value = stored int8 * scale); None for other dtypes."""
+        if self.k_scale is None:
+            return None
+        return self.k_scale[layer_id], self.v_scale[layer_id]
+
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write K and V of new tokens. `loc`: (n,) int64 slots; `k`, `v`: (n, num_kv_heads, head_dim).
 

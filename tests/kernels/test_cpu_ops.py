@@ -528,6 +528,75 @@ def test_decode_attention_rows_of_one_request(ops, dtype):
     torch.testing.assert_close(out.float(), expected, **tol)
 
 
+# ------------------------------------------------ one-byte KV pools (kv_cache_dtype)
+
+ONE_BYTE = [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
+
+
+def one_byte_pool(buffer: torch.Tensor, kv_dtype: torch.dtype):
+    """`buffer` (slots, heads, head_dim) stored as a one-byte pool stores it
+    (`memory_pool.TokenToKVPool.set_kv_buffer`'s rounding): (stored, scales or None,
+    widened) where `widened` is the float32 value each stored element stands for."""
+    if kv_dtype != torch.int8:
+        bound = torch.finfo(kv_dtype).max
+        stored = buffer.float().clamp(-bound, bound).to(kv_dtype)
+        return stored, None, stored.float()
+    scale = (buffer.float().abs().amax(dim=-1) / 127).to(torch.float16)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    stored = torch.round(buffer.float() / scale.float()[..., None]).clamp_(-127, 127).to(torch.int8)
+    return stored, scale, stored.float() * scale.float()[..., None]
+
+
+@pytest.mark.parametrize("sliding_window,logit_cap", [(None, 0.0), (17, 30.0)])
+@pytest.mark.parametrize("head_dim", [40, 64, 128])  # 40: a scalar tail; 64, 128: the register tiles
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("kv_dtype", ONE_BYTE, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_attention_over_one_byte_pool(ops, dtype, kv_dtype, group, head_dim, sliding_window, logit_cap):
+    """Read in place and widened in registers: equals the kernel over a pool of q's
+    dtype holding the widened values (float32 within rounding, bf16 within one ulp of
+    the float32 oracle over them)."""
+    q, k_buffer, v_buffer, *pool = decode_case([1, 9, 40, 133], 2, group, head_dim, dtype)
+    (k8, k_scale, k_wide), (v8, v_scale, v_wide) = (one_byte_pool(b, kv_dtype) for b in (k_buffer, v_buffer))
+    scales = None if k_scale is None else (k_scale, v_scale)
+    assert ops.can_decode(q, k8, v8, pool[0], kv_scales=scales)
+    out = ops.decode_attention(q, k8, v8, *pool, head_dim**-0.5, sliding_window, logit_cap, kv_scales=scales)
+    expected = reference.decode_attention(q.float(), k_wide, v_wide, *pool, head_dim**-0.5, sliding_window, logit_cap)
+    rtol = 1e-5 if dtype == torch.float32 else BF16_RTOL
+    torch.testing.assert_close(out.float(), expected, atol=1e-5, rtol=rtol)
+
+
+@pytest.mark.parametrize("head_dim", [40, 64])
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_every_fp8_byte_widens_as_torch_does(ops, kv_dtype, head_dim):
+    """All 256 bit patterns (subnormals, the largest finite values, inf and NaN) as V
+    rows of one-key requests: each output row is its V row widened, bit for bit, as
+    torch's `.float()` widens it."""
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    rows = -(-256 // head_dim)
+    v8 = torch.zeros(rows * head_dim, dtype=torch.uint8)
+    v8[:256] = values
+    v8 = v8.view(rows, 1, head_dim).view(kv_dtype)
+    k8 = torch.zeros_like(v8)  # keys 0: a finite score, so the one probability is exactly 1
+    req_to_token = torch.arange(rows, dtype=torch.int32).view(rows, 1)
+    q = torch.ones(rows, 1, head_dim)
+    out = ops.decode_attention(q, k8, v8, req_to_token, torch.arange(rows), torch.ones(rows, dtype=torch.int64), 1.0)
+    torch.testing.assert_close(out, v8.float(), atol=0, rtol=0, equal_nan=True)
+
+
+def test_int8_pool_needs_its_scales(ops):
+    case = decode_case([5, 3], 2, 2, 64, torch.float32)
+    q, k_buffer, v_buffer, req_to_token, *_ = case
+    (k8, k_scale, _), (v8, v_scale, _) = (one_byte_pool(b, torch.int8) for b in (k_buffer, v_buffer))
+    assert not ops.can_decode(q, k8, v8, req_to_token)  # no scales
+    assert not ops.can_decode(q, k8, v8, req_to_token, kv_scales=(k_scale.float(), v_scale))  # fp16 only
+    assert not ops.can_decode(q, k8, v8, req_to_token, kv_scales=(k_scale[:-1], v_scale))  # one per slot and head
+    fp8 = one_byte_pool(k_buffer, torch.float8_e4m3fn)[0]
+    assert not ops.can_decode(q, fp8, fp8, req_to_token, kv_scales=(k_scale, v_scale))  # fp8 takes none
+    new_kv, _ = new_kv_step(case)
+    assert not ops.can_decode(q, fp8, fp8, req_to_token, new_kv)  # stores only into a pool of q's dtype
+
+
 # ---------------------------------------------------------------- build
 
 

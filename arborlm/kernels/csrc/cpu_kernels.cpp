@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -51,6 +52,66 @@ inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
 inline void store(float* p, int64_t i, float v) { p[i] = v; }
 inline void store(uint16_t* p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
+
+// One-byte KV pool elements (`kv_cache_dtype`, `radix_cache/memory_pool.py`): fp8 as
+// torch stores float8_e4m3fn / float8_e5m2, and int8 with an fp16 scale per (slot, KV
+// head). The attention kernels read them in place and widen in registers.
+struct Fp8E4M3 {
+  uint8_t bits;
+};
+struct Fp8E5M2 {
+  uint8_t bits;
+};
+
+// IEEE half to float32, exact (subnormals, inf and NaN included).
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  float f;
+  if (e == 0) {
+    f = std::ldexp(static_cast<float>(m), -24);
+  } else if (e == 31) {
+    f = m ? NAN : INFINITY;
+  } else {
+    const uint32_t u = ((e + 112u) << 23) | (m << 13);
+    std::memcpy(&f, &u, 4);
+  }
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u |= sign;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// float8_e4m3fn (bias 7, no infinities, 0x7f / 0xff NaN) to float32, exact: a normal
+// value's exponent and mantissa move into float32's fields with the bias raised by 120;
+// a subnormal is its 3-bit mantissa times 2^-9.
+inline float fp8_e4m3_to_f32(uint8_t b) {
+  const uint32_t m = b & 0x7fu;
+  float f;
+  if (m == 0x7fu) {
+    f = NAN;
+  } else if (m < 8u) {
+    f = static_cast<float>(m) * 0.001953125f;
+  } else {
+    const uint32_t u = (m << 20) + (120u << 23);
+    std::memcpy(&f, &u, 4);
+  }
+  return (b & 0x80u) ? -f : f;
+}
+
+inline float load(const Fp8E4M3* p, int64_t i) { return fp8_e4m3_to_f32(p[i].bits); }
+// float8_e5m2 is the top byte of an IEEE half.
+inline float load(const Fp8E5M2* p, int64_t i) { return f16_to_f32(static_cast<uint16_t>(p[i].bits << 8)); }
+inline float load(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
+
+// Scale of row (slot, head) of a KV pool layer: an int8 pool's fp16 scale; 1 for the
+// pools that store values as they are (float, bf16, fp8).
+template <typename E>
+inline float row_scale(const uint16_t* scales, int64_t slot, int64_t kv_heads, int64_t head) {
+  if constexpr (std::is_same_v<E, int8_t>) return f16_to_f32(scales[slot * kv_heads + head]);
+  (void)scales, (void)slot, (void)kv_heads, (void)head;
+  return 1.f;
+}
 
 // Minimum elements per call before OpenMP threads are used.
 constexpr int64_t kParallelWork = 1 << 15;
@@ -90,6 +151,23 @@ inline void store16(uint16_t* p, __m512 v) {
   r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(u, _mm512_set1_epi32(0x400000)));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
 }
+
+// 16 one-byte KV elements widened to float32 (the scalar `load`s above, in lanes).
+inline __m128i load16_bytes(const void* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m512 load16(const Fp8E5M2* p) {
+  return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(load16_bytes(p)), 8));
+}
+inline __m512 load16(const Fp8E4M3* p) {
+  const __m512i u = _mm512_cvtepu8_epi32(load16_bytes(p));
+  const __m512i m = _mm512_and_si512(u, _mm512_set1_epi32(0x7f));
+  const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(m, 20), _mm512_set1_epi32(120 << 23)));
+  const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(0.001953125f));
+  __m512 f = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(m, _mm512_set1_epi32(8)), normal, subnormal);
+  f = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(m, _mm512_set1_epi32(0x7f)), f, _mm512_set1_ps(NAN));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
+}
+inline __m512 load16(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16_bytes(p))); }
 
 inline __m512 exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
@@ -256,35 +334,39 @@ constexpr int64_t kPrefetchRows = 8;
 // Row `t` of one KV head in a pool layer: `buffer[slots[t], head, :]`, D elements.
 // Also prefetches row t + kPrefetchRows: rows are found through `slots`, which the
 // hardware prefetcher cannot follow.
-template <typename T, int64_t D>
-inline const T* pool_row(const T* buffer, const int32_t* slots, int64_t t, int64_t len, int64_t kv_heads,
+template <typename E, int64_t D>
+inline const E* pool_row(const E* buffer, const int32_t* slots, int64_t t, int64_t len, int64_t kv_heads,
                          int64_t head) {
   if (t + kPrefetchRows < len) {
     const char* ahead =
         reinterpret_cast<const char*>(buffer + (static_cast<int64_t>(slots[t + kPrefetchRows]) * kv_heads + head) * D);
-    for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(T)); off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+    for (int64_t off = 0; off < D * static_cast<int64_t>(sizeof(E)); off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
   }
   return buffer + (static_cast<int64_t>(slots[t]) * kv_heads + head) * D;
 }
 
 // Decode attention of G query heads that share one KV head, head_dim = 16 * C:
 // each K/V row is loaded once into C registers and used by all G heads, and the
-// G * C output accumulators stay in registers (G * C <= 16 of the 32 zmm).
-template <typename T, int C, int G>
-void decode_tile(const T* q, const T* k_buffer, const T* v_buffer, const int32_t* slots, int64_t len,
-                 int64_t kv_heads, int64_t head, float scale, float logit_cap, T* out, float* scores) {
+// G * C output accumulators stay in registers (G * C <= 16 of the 32 zmm). K/V rows
+// are of element type E, widened on load; an int8 row's scale multiplies its score
+// (K) or its probability (V), once per row instead of once per element.
+template <typename T, typename E, int C, int G>
+void decode_tile(const T* q, const E* k_buffer, const E* v_buffer, const uint16_t* k_scale, const uint16_t* v_scale,
+                 const int32_t* slots, int64_t len, int64_t kv_heads, int64_t head, float scale, float logit_cap,
+                 T* out, float* scores) {
   constexpr int64_t D = 16 * C;
   __m512 qv[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) qv[g][c] = load16(q + g * D + c * 16);
   for (int64_t t = 0; t < len; ++t) {
-    const T* k = pool_row<T, D>(k_buffer, slots, t, len, kv_heads, head);
+    const E* k = pool_row<E, D>(k_buffer, slots, t, len, kv_heads, head);
+    const float ks = row_scale<E>(k_scale, slots[t], kv_heads, head);
     __m512 kr[C];
     for (int c = 0; c < C; ++c) kr[c] = load16(k + c * 16);
     for (int g = 0; g < G; ++g) {
       __m512 sum = _mm512_mul_ps(qv[g][0], kr[0]);
       for (int c = 1; c < C; ++c) sum = _mm512_fmadd_ps(qv[g][c], kr[c], sum);
-      scores[g * len + t] = capped(_mm512_reduce_add_ps(sum), scale, logit_cap);
+      scores[g * len + t] = capped(_mm512_reduce_add_ps(sum) * ks, scale, logit_cap);
     }
   }
   for (int g = 0; g < G; ++g) softmax_inplace(scores + g * len, len);
@@ -292,11 +374,12 @@ void decode_tile(const T* q, const T* k_buffer, const T* v_buffer, const int32_t
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < len; ++t) {
-    const T* v = pool_row<T, D>(v_buffer, slots, t, len, kv_heads, head);
+    const E* v = pool_row<E, D>(v_buffer, slots, t, len, kv_heads, head);
+    const float vs = row_scale<E>(v_scale, slots[t], kv_heads, head);
     __m512 vr[C];
     for (int c = 0; c < C; ++c) vr[c] = load16(v + c * 16);
     for (int g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * len + t]);
+      const __m512 p = _mm512_set1_ps(scores[g * len + t] * vs);
       for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, vr[c], acc[g][c]);
     }
   }
@@ -304,36 +387,36 @@ void decode_tile(const T* q, const T* k_buffer, const T* v_buffer, const int32_t
     for (int c = 0; c < C; ++c) store16(out + g * D + c * 16, acc[g][c]);
 }
 
-// Run `decode_tile<T, C, G>` over the `group` query heads of one KV head, G at a time.
-template <typename T, int C, int G>
-void decode_tiles(const T* q, const T* k_buffer, const T* v_buffer, const int32_t* slots, int64_t len,
-                  int64_t kv_heads, int64_t head, int64_t group, float scale, float logit_cap, T* out,
-                  float* scores) {
+// Run `decode_tile<T, E, C, G>` over the `group` query heads of one KV head, G at a time.
+template <typename T, typename E, int C, int G>
+void decode_tiles(const T* q, const E* k_buffer, const E* v_buffer, const uint16_t* k_scale, const uint16_t* v_scale,
+                  const int32_t* slots, int64_t len, int64_t kv_heads, int64_t head, int64_t group, float scale,
+                  float logit_cap, T* out, float* scores) {
   constexpr int64_t D = 16 * C;
   for (int64_t g0 = 0; g0 < group; g0 += G)
-    decode_tile<T, C, G>(q + (head * group + g0) * D, k_buffer, v_buffer, slots, len, kv_heads, head, scale,
-                         logit_cap, out + (head * group + g0) * D, scores);
+    decode_tile<T, E, C, G>(q + (head * group + g0) * D, k_buffer, v_buffer, k_scale, v_scale, slots, len, kv_heads,
+                            head, scale, logit_cap, out + (head * group + g0) * D, scores);
 }
 
 // The register-tiled path for head_dim 64 or 128 and a group size it divides
 // evenly; false when it does not apply (the caller takes the generic path).
-template <typename T>
-bool decode_tiled(const T* q, const T* k_buffer, const T* v_buffer, const int32_t* slots, int64_t len,
-                  int64_t kv_heads, int64_t head, int64_t group, int64_t head_dim, float scale, float logit_cap,
-                  T* out, float* scores) {
+template <typename T, typename E>
+bool decode_tiled(const T* q, const E* k_buffer, const E* v_buffer, const uint16_t* k_scale, const uint16_t* v_scale,
+                  const int32_t* slots, int64_t len, int64_t kv_heads, int64_t head, int64_t group, int64_t head_dim,
+                  float scale, float logit_cap, T* out, float* scores) {
   const auto run = [&](auto tiles) {
-    tiles(q, k_buffer, v_buffer, slots, len, kv_heads, head, group, scale, logit_cap, out, scores);
+    tiles(q, k_buffer, v_buffer, k_scale, v_scale, slots, len, kv_heads, head, group, scale, logit_cap, out, scores);
     return true;
   };
   if (head_dim == 64) {
-    if (group % 4 == 0) return run(decode_tiles<T, 4, 4>);
-    if (group % 3 == 0) return run(decode_tiles<T, 4, 3>);
-    if (group % 2 == 0) return run(decode_tiles<T, 4, 2>);
-    return run(decode_tiles<T, 4, 1>);
+    if (group % 4 == 0) return run(decode_tiles<T, E, 4, 4>);
+    if (group % 3 == 0) return run(decode_tiles<T, E, 4, 3>);
+    if (group % 2 == 0) return run(decode_tiles<T, E, 4, 2>);
+    return run(decode_tiles<T, E, 4, 1>);
   }
   if (head_dim == 128) {
-    if (group % 2 == 0) return run(decode_tiles<T, 8, 2>);
-    return run(decode_tiles<T, 8, 1>);
+    if (group % 2 == 0) return run(decode_tiles<T, E, 8, 2>);
+    return run(decode_tiles<T, E, 8, 1>);
   }
   return false;
 }
@@ -347,17 +430,20 @@ struct DecodeScratch {
 // One request, one KV head: every query head of its group attends over the
 // request's keys, read in place from the pool through its `req_to_token` row.
 // Scores and the softmax are float32; each K and V row is loaded once per group.
-template <typename T>
-void decode_one(const T* q, const T* k_buffer, const T* v_buffer, const int32_t* slots, int64_t seq_len,
+// K/V are of element type E (T itself, or a one-byte type with `k_scale` /
+// `v_scale` for int8; see `row_scale`).
+template <typename T, typename E = T>
+void decode_one(const T* q, const E* k_buffer, const E* v_buffer, const int32_t* slots, int64_t seq_len,
                 int64_t kv_heads, int64_t head, int64_t group, int64_t head_dim, float scale, int64_t window,
-                float logit_cap, T* out, DecodeScratch& scratch) {
+                float logit_cap, T* out, DecodeScratch& scratch, const uint16_t* k_scale = nullptr,
+                const uint16_t* v_scale = nullptr) {
   const int64_t start = (window > 0 && seq_len > window) ? seq_len - window : 0;
   const int64_t len = seq_len - start;
   const int64_t vec = vector_end(head_dim);
   scratch.scores.resize(group * len);
 #if defined(__AVX512F__)
-  if (decode_tiled(q, k_buffer, v_buffer, slots + start, len, kv_heads, head, group, head_dim, scale, logit_cap, out,
-                   scratch.scores.data()))
+  if (decode_tiled(q, k_buffer, v_buffer, k_scale, v_scale, slots + start, len, kv_heads, head, group, head_dim, scale,
+                   logit_cap, out, scratch.scores.data()))
     return;
 #endif
   scratch.acc.assign(group * head_dim, 0.f);
@@ -368,7 +454,9 @@ void decode_one(const T* q, const T* k_buffer, const T* v_buffer, const int32_t*
   for (int64_t g = 0; g < group; ++g)
     for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = load(q + (head * group + g) * head_dim, d);
   for (int64_t t = 0; t < len; ++t) {
-    const T* k = k_buffer + (static_cast<int64_t>(slots[start + t]) * kv_heads + head) * head_dim;
+    const int64_t slot = slots[start + t];
+    const E* k = k_buffer + (slot * kv_heads + head) * head_dim;
+    const float ks = row_scale<E>(k_scale, slot, kv_heads, head);
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = qf + g * head_dim;
       float dot = 0.f;
@@ -379,10 +467,17 @@ void decode_one(const T* q, const T* k_buffer, const T* v_buffer, const int32_t*
       dot = _mm512_reduce_add_ps(sum);
 #endif
       for (; d < head_dim; ++d) dot += qg[d] * load(k, d);
-      scores[g * len + t] = capped(dot, scale, logit_cap);
+      scores[g * len + t] = capped(dot * ks, scale, logit_cap);
     }
   }
   for (int64_t g = 0; g < group; ++g) softmax_inplace(scores + g * len, len);
+  // An int8 row's V scale folds into its probabilities (rows of every group head).
+  if constexpr (std::is_same_v<E, int8_t>) {
+    for (int64_t t = 0; t < len; ++t) {
+      const float vs = row_scale<E>(v_scale, slots[start + t], kv_heads, head);
+      for (int64_t g = 0; g < group; ++g) scores[g * len + t] *= vs;
+    }
+  }
   // probs @ V: one accumulator chain per (head, 16 dims), two keys per iteration
   // so that the chain's FMA latency is hidden.
   for (int64_t g = 0; g < group; ++g) {
@@ -394,20 +489,20 @@ void decode_one(const T* q, const T* k_buffer, const T* v_buffer, const int32_t*
       __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
       int64_t t = 0;
       for (; t + 1 < len; t += 2) {
-        const T* v0 = v_buffer + (static_cast<int64_t>(slots[start + t]) * kv_heads + head) * head_dim;
-        const T* v1 = v_buffer + (static_cast<int64_t>(slots[start + t + 1]) * kv_heads + head) * head_dim;
+        const E* v0 = v_buffer + (static_cast<int64_t>(slots[start + t]) * kv_heads + head) * head_dim;
+        const E* v1 = v_buffer + (static_cast<int64_t>(slots[start + t + 1]) * kv_heads + head) * head_dim;
         a0 = _mm512_fmadd_ps(_mm512_set1_ps(pg[t]), load16(v0 + d), a0);
         a1 = _mm512_fmadd_ps(_mm512_set1_ps(pg[t + 1]), load16(v1 + d), a1);
       }
       if (t < len) {
-        const T* v0 = v_buffer + (static_cast<int64_t>(slots[start + t]) * kv_heads + head) * head_dim;
+        const E* v0 = v_buffer + (static_cast<int64_t>(slots[start + t]) * kv_heads + head) * head_dim;
         a0 = _mm512_fmadd_ps(_mm512_set1_ps(pg[t]), load16(v0 + d), a0);
       }
       _mm512_storeu_ps(ag + d, _mm512_add_ps(a0, a1));
     }
 #endif
     for (int64_t t = 0; d < head_dim && t < len; ++t) {
-      const T* v = v_buffer + (static_cast<int64_t>(slots[start + t]) * kv_heads + head) * head_dim;
+      const E* v = v_buffer + (static_cast<int64_t>(slots[start + t]) * kv_heads + head) * head_dim;
       for (int64_t e = d; e < head_dim; ++e) ag[e] += pg[t] * load(v, e);
     }
   }
@@ -426,11 +521,12 @@ void store_kv(const T* k_new, int64_t k_stride, const T* v_new, int64_t v_stride
   }
 }
 
-template <typename T>
-void decode_attention(const T* q, int64_t q_stride, const T* k_buffer, const T* v_buffer,
-                      const int32_t* req_to_token, int64_t req_to_token_stride, const int64_t* req_pool_indices,
-                      const int64_t* seq_lens, int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                      float scale, int64_t window, float logit_cap, T* out, int64_t out_stride) {
+template <typename T, typename E>
+void decode_attention(const T* q, int64_t q_stride, const E* k_buffer, const E* v_buffer, const uint16_t* k_scale,
+                      const uint16_t* v_scale, const int32_t* req_to_token, int64_t req_to_token_stride,
+                      const int64_t* req_pool_indices, const int64_t* seq_lens, int64_t batch, int64_t q_heads,
+                      int64_t kv_heads, int64_t head_dim, float scale, int64_t window, float logit_cap, T* out,
+                      int64_t out_stride) {
   const int64_t group = q_heads / kv_heads;
   int64_t work = 0;
   for (int64_t b = 0; b < batch; ++b) work += seq_lens[b];
@@ -443,7 +539,29 @@ void decode_attention(const T* q, int64_t q_stride, const T* k_buffer, const T* 
       for (int64_t h = 0; h < kv_heads; ++h)
         decode_one(q + b * q_stride, k_buffer, v_buffer, req_to_token + req_pool_indices[b] * req_to_token_stride,
                    seq_lens[b], kv_heads, h, group, head_dim, scale, window, logit_cap, out + b * out_stride,
-                   scratch);
+                   scratch, k_scale, v_scale);
+  }
+}
+
+// `decode_attention` with q / out of type T over a pool of KV code `kv_dtype`
+// (0 float32, 1 bfloat16: T itself; 2 float8_e4m3fn, 3 float8_e5m2, 4 int8 + scales).
+template <typename T>
+void decode_attention_kv(int kv_dtype, const T* q, int64_t q_stride, const void* k_buffer, const void* v_buffer,
+                         const uint16_t* k_scale, const uint16_t* v_scale, const int32_t* req_to_token,
+                         int64_t req_to_token_stride, const int64_t* req_pool_indices, const int64_t* seq_lens,
+                         int64_t batch, int64_t q_heads, int64_t kv_heads, int64_t head_dim, float scale,
+                         int64_t window, float logit_cap, T* out, int64_t out_stride) {
+  const auto run = [&](auto* element) {
+    using E = std::remove_pointer_t<decltype(element)>;
+    decode_attention(q, q_stride, static_cast<const E*>(k_buffer), static_cast<const E*>(v_buffer), k_scale, v_scale,
+                     req_to_token, req_to_token_stride, req_pool_indices, seq_lens, batch, q_heads, kv_heads,
+                     head_dim, scale, window, logit_cap, out, out_stride);
+  };
+  switch (kv_dtype) {
+    case 2: return run(static_cast<Fp8E4M3*>(nullptr));
+    case 3: return run(static_cast<Fp8E5M2*>(nullptr));
+    case 4: return run(static_cast<int8_t*>(nullptr));
+    default: return run(static_cast<T*>(nullptr));
   }
 }
 
@@ -776,7 +894,7 @@ void extend_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* 
 
 extern "C" {
 
-int arborlm_abi_version() { return 3; }
+int arborlm_abi_version() { return 4; }
 
 // out = rms_norm(x) * weight, or with `residual` non-null: residual += x, then
 // out = rms_norm(residual) * weight (`residual` updated in place).
@@ -812,17 +930,22 @@ void arborlm_rotary(int dtype, void* x, int64_t token_stride, int64_t tokens, in
 }
 
 // q: (batch, q_heads, head_dim) with row stride q_stride; k/v_buffer: (slots,
-// kv_heads, head_dim) contiguous; out: (batch, q_heads, head_dim) with row stride
-// out_stride. window <= 0 means no sliding window; logit_cap <= 0 means none.
-// With `out_cache_loc` non-null, first stores the batch's new K/V (`k_new`,
-// `v_new`: (batch, kv_heads, head_dim) with token strides) at those pool slots.
-void arborlm_decode_attention(int dtype, const void* q, int64_t q_stride, const void* k_buffer,
-                              const void* v_buffer, const int32_t* req_to_token, int64_t req_to_token_stride,
+// kv_heads, head_dim) contiguous, of KV code `kv_dtype` (`decode_attention_kv`; for
+// int8, k/v_scale: (slots, kv_heads) fp16, else null); out: (batch, q_heads,
+// head_dim) with row stride out_stride. window <= 0 means no sliding window;
+// logit_cap <= 0 means none. With `out_cache_loc` non-null (pools of q's dtype
+// only), first stores the batch's new K/V (`k_new`, `v_new`: (batch, kv_heads,
+// head_dim) with token strides) at those pool slots.
+void arborlm_decode_attention(int dtype, int kv_dtype, const void* q, int64_t q_stride, const void* k_buffer,
+                              const void* v_buffer, const void* k_scale, const void* v_scale,
+                              const int32_t* req_to_token, int64_t req_to_token_stride,
                               const int64_t* req_pool_indices, const int64_t* seq_lens, int64_t batch,
                               int64_t q_heads, int64_t kv_heads, int64_t head_dim, float scale, int64_t window,
                               float logit_cap, void* out, int64_t out_stride, const void* k_new, int64_t k_stride,
                               const void* v_new, int64_t v_stride, const int64_t* out_cache_loc) {
   const int64_t row = kv_heads * head_dim;
+  const auto* ks = static_cast<const uint16_t*>(k_scale);
+  const auto* vs = static_cast<const uint16_t*>(v_scale);
   if (out_cache_loc && dtype == 0)
     store_kv(static_cast<const float*>(k_new), k_stride, static_cast<const float*>(v_new), v_stride, out_cache_loc,
              batch, row, static_cast<float*>(const_cast<void*>(k_buffer)),
@@ -832,15 +955,13 @@ void arborlm_decode_attention(int dtype, const void* q, int64_t q_stride, const 
              out_cache_loc, batch, row, static_cast<uint16_t*>(const_cast<void*>(k_buffer)),
              static_cast<uint16_t*>(const_cast<void*>(v_buffer)));
   if (dtype == 0)
-    decode_attention(static_cast<const float*>(q), q_stride, static_cast<const float*>(k_buffer),
-                     static_cast<const float*>(v_buffer), req_to_token, req_to_token_stride, req_pool_indices,
-                     seq_lens, batch, q_heads, kv_heads, head_dim, scale, window, logit_cap,
-                     static_cast<float*>(out), out_stride);
+    decode_attention_kv(kv_dtype, static_cast<const float*>(q), q_stride, k_buffer, v_buffer, ks, vs, req_to_token,
+                        req_to_token_stride, req_pool_indices, seq_lens, batch, q_heads, kv_heads, head_dim, scale,
+                        window, logit_cap, static_cast<float*>(out), out_stride);
   else
-    decode_attention(static_cast<const uint16_t*>(q), q_stride, static_cast<const uint16_t*>(k_buffer),
-                     static_cast<const uint16_t*>(v_buffer), req_to_token, req_to_token_stride, req_pool_indices,
-                     seq_lens, batch, q_heads, kv_heads, head_dim, scale, window, logit_cap,
-                     static_cast<uint16_t*>(out), out_stride);
+    decode_attention_kv(kv_dtype, static_cast<const uint16_t*>(q), q_stride, k_buffer, v_buffer, ks, vs,
+                        req_to_token, req_to_token_stride, req_pool_indices, seq_lens, batch, q_heads, kv_heads,
+                        head_dim, scale, window, logit_cap, static_cast<uint16_t*>(out), out_stride);
 }
 
 // 1 when the library has the AMX linear layer and the kernel lets this process

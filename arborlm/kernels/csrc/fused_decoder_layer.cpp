@@ -44,8 +44,9 @@ void arborlm_silu_and_mul(int dtype, const void* gate_up, int64_t in_stride, voi
                           int64_t rows, int64_t dim);
 void arborlm_rotary(int dtype, void* x, int64_t token_stride, int64_t tokens, int64_t heads, int64_t head_dim,
                     const int64_t* positions, const void* cos_table, const void* sin_table);
-void arborlm_decode_attention(int dtype, const void* q, int64_t q_stride, const void* k_buffer,
-                              const void* v_buffer, const int32_t* req_to_token, int64_t req_to_token_stride,
+void arborlm_decode_attention(int dtype, int kv_dtype, const void* q, int64_t q_stride, const void* k_buffer,
+                              const void* v_buffer, const void* k_scale, const void* v_scale,
+                              const int32_t* req_to_token, int64_t req_to_token_stride,
                               const int64_t* req_pool_indices, const int64_t* seq_lens, int64_t batch,
                               int64_t q_heads, int64_t kv_heads, int64_t head_dim, float scale, int64_t window,
                               float logit_cap, void* out, int64_t out_stride, const void* k_new, int64_t k_stride,
@@ -234,8 +235,8 @@ int arborlm_fused_decoder_layer(const FusedLayerParams* p, const FusedStep* step
                  step->sin_table);
   char* qkv = static_cast<char*>(s->qkv);
   const int64_t layer_offset = p->layer_id * step->pool_layer_stride * bytes;
-  arborlm_decode_attention(dtype, qkv, qkv_width, static_cast<char*>(step->k_pool) + layer_offset,
-                           static_cast<char*>(step->v_pool) + layer_offset, step->req_to_token,
+  arborlm_decode_attention(dtype, dtype, qkv, qkv_width, static_cast<char*>(step->k_pool) + layer_offset,
+                           static_cast<char*>(step->v_pool) + layer_offset, nullptr, nullptr, step->req_to_token,
                            step->req_to_token_stride, step->req_pool_indices, step->seq_lens, rows, p->num_heads,
                            p->num_kv_heads, D, p->scale, p->window, p->logit_cap, s->attn, q_size,
                            qkv + q_size * bytes, qkv_width, qkv + (q_size + kv_size) * bytes, qkv_width,

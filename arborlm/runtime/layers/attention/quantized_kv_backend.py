@@ -1,18 +1,18 @@
 """Attention over a KV pool stored in one byte per value (`kv_cache_dtype` fp8_e5m2 / fp8_e4m3 /
 int8 with per-token, per-head scales).
 
-The pool (`radix_cache/memory_pool.py`) stores K/V in one byte per value; the
-attention kernels take K/V in q's dtype. Per step, `init_forward_metadata` lists
-the pool slots of every request's positions `[0, seq_len)` (padded to the longest
-request, slot 0 past a request's end) and a compact `req_to_token` that numbers
-them 0, 1, ... request by request. Per layer, `forward` stores the new K/V (cast to
-fp8), reads the listed slots upcast (`TokenToKVPool.read_kv`: the upcast on read
-touches only the step's tokens) and runs the usual kernels over that compact copy:
-the C++ decode kernel (`NativeLayerOps.decode_attention`) where it takes the
-tensors, `kernels/reference.py` otherwise and for EXTEND steps. The same pattern
-as SGLang's and vLLM's fp8 KV cache without scales (a plain cast on store, an
-upcast in the attention kernel); here the upcast is a gather because the C++
-kernels read one dtype.
+The pool (`radix_cache/memory_pool.py`) stores K/V in one byte per value. DECODE
+steps on the CPU read it in place: the C++ decode kernel (`NativeLayerOps.decode_attention`)
+widens each K/V row in registers as it streams it (and folds an int8 row's scale into
+its score and its probability), so a step reads half the bytes of a bf16 pool. That is
+how SGLang's and vLLM's fp8 KV caches work on the GPU (a plain cast on store, the
+upcast inside the attention kernel). EXTEND steps, and decode where the native kernels
+are not there, read a compact upcast copy: per step `init_forward_metadata` lists the
+pool slots of every request's positions `[0, seq_len)` (padded to the longest request,
+slot 0 past a request's end) and a compact `req_to_token` that numbers them 0, 1, ...
+request by request; per layer the listed slots are read upcast (`TokenToKVPool.read_kv`)
+and `kernels/reference.py` attends over that copy. An extend step is bound by its
+matrix products, not by reading K/V once.
 """
 
 from __future__ import annotations
@@ -44,6 +44,17 @@ class CompactKVMetadata:
     seq_lens: torch.Tensor
 
 
+@dataclass
+class InPlaceDecodeMetadata:
+    """A DECODE step read in place by the native kernel: the step's request rows and
+    lengths as contiguous int64 (batch,) tensors, made once per step; `checked` once the
+    first layer's tensors passed `can_decode`."""
+
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    checked: bool = False
+
+
 def compact_kv_metadata(forward_batch: ForwardBatch) -> CompactKVMetadata:
     """The step's slot list and compact index (see `CompactKVMetadata`)."""
     batch = int(forward_batch.req_pool_indices.shape[0])
@@ -58,38 +69,44 @@ def compact_kv_metadata(forward_batch: ForwardBatch) -> CompactKVMetadata:
 
 
 class QuantizedKVAttentionBackend(AttentionBackend):
-    """Any step over an fp8 KV pool: store cast, read upcast, attend (module docstring).
+    """Any step over a one-byte KV pool: store cast, attend in place (decode, native
+    kernels) or over an upcast copy (module docstring).
 
     Parameters
     ----------
     native: the C++ CPU kernels (decode steps), or None for `kernels/reference.py` only.
     """
 
-    # Each decode row gets its own upcast copy of its request's K/V: as decode rows a
-    # verify chain of 1 + k tokens would gather that K/V 1 + k times per layer.
-    takes_verify_rows = False
-
     def __init__(self, native: NativeLayerOps | None = None):
         self.native = native
+        # In place, each verify row reads its request's K/V as a decode row does (all rows
+        # stored first); through the upcast copy every row would gather it again.
+        self.takes_verify_rows = native is not None
 
     @classmethod
     def create(cls, device: torch.device, native: NativeLayerOps | None) -> QuantizedKVAttentionBackend:
         return cls(native if device.type == "cpu" else None)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        if self.native is not None and forward_batch.forward_mode.is_decode():
+            forward_batch.attn_metadata = InPlaceDecodeMetadata(
+                forward_batch.req_pool_indices.to(torch.int64).contiguous(),
+                forward_batch.seq_lens.to(torch.int64).contiguous(),
+            )
+            return
         forward_batch.attn_metadata = compact_kv_metadata(forward_batch)
 
     def forward(self, q, k, v, layer_id, forward_batch, scale, sliding_window=None, logit_cap=0.0):
         pool = forward_batch.token_to_kv_pool
         pool.set_kv_buffer(layer_id, forward_batch.out_cache_loc, k, v)
         meta = forward_batch.attn_metadata
+        if isinstance(meta, InPlaceDecodeMetadata):
+            out = self._decode_in_place(q, layer_id, forward_batch, meta, scale, sliding_window, logit_cap)
+            if out is not None:
+                return out
+            meta = forward_batch.attn_metadata = compact_kv_metadata(forward_batch)
         k_buffer, v_buffer = pool.read_kv(layer_id, meta.slots, q.dtype)  # (batch * max_len, Hkv, D)
         if forward_batch.forward_mode.is_decode():
-            if self.native is not None and self.native.can_decode(q, k_buffer, v_buffer, meta.req_to_token):
-                return self.native.decode_attention(
-                    q, k_buffer, v_buffer, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
-                    scale, sliding_window, logit_cap, check=False,
-                )
             return reference.decode_attention(
                 q, k_buffer, v_buffer, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
                 scale, sliding_window, logit_cap,
@@ -97,4 +114,20 @@ class QuantizedKVAttentionBackend(AttentionBackend):
         return reference.extend_attention(
             q, k_buffer, v_buffer, meta.req_to_token, meta.req_pool_indices, meta.seq_lens,
             forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens, scale, sliding_window, logit_cap,
+        )
+
+    def _decode_in_place(self, q, layer_id, forward_batch, meta: InPlaceDecodeMetadata, scale, sliding_window,
+                         logit_cap) -> torch.Tensor | None:
+        """The DECODE step through the C++ kernel over the one-byte pool (K/V already
+        stored); None where it does not take these tensors."""
+        pool = forward_batch.token_to_kv_pool
+        k_buffer, v_buffer = pool.get_kv_buffer(layer_id)
+        scales = pool.get_kv_scales(layer_id)
+        req_to_token = forward_batch.req_to_token_pool.req_to_token
+        if not (meta.checked or self.native.can_decode(q, k_buffer, v_buffer, req_to_token, kv_scales=scales)):
+            return None
+        meta.checked = True  # every layer has the same shapes, dtypes and layout
+        return self.native.decode_attention(
+            q, k_buffer, v_buffer, req_to_token, meta.req_pool_indices, meta.seq_lens,
+            scale, sliding_window, logit_cap, check=False, kv_scales=scales,
         )
