@@ -103,6 +103,12 @@ def _cpu_signature() -> str:
     return "\n".join(keep) or platform.machine()
 
 
+def cpu_has_avx512f() -> bool:
+    """Whether this CPU has AVX-512F, so that the `-march=native` builds compile their
+    AVX-512 loops (without it they run the scalar ones)."""
+    return " avx512f" in _cpu_signature()
+
+
 def library_path(
     cache_dir: Path, compiler: str, sources: tuple[Path, ...] | None = None, stem: str = "cpu_kernels"
 ) -> Path:

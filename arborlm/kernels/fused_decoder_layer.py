@@ -179,7 +179,9 @@ def _fused_linear(lin: LinearWeights | QuantLinearWeights, dtype: torch.dtype, i
     if isinstance(packed, cpu_ops.AmxWeight):
         return (FusedLinear(packed.data.data_ptr(), bias_ptr, KIND_BF16_AMX, out_features, in_features, 0),
                 cpu_ops.AMX_MAX_ROWS, (packed.data, bias))
-    if packed is None and dtype == torch.float32 and w.is_contiguous():
+    # Without AVX-512 the row-dot kernel is scalar: 2.3x slower a step than MKL's GEMM unfused
+    # (SmolLM2-135M at batch 1 on an AVX2-only EPYC, bench_quant.py), so it is not taken there.
+    if packed is None and dtype == torch.float32 and w.is_contiguous() and cpu_ops.cpu_has_avx512f():
         return FusedLinear(w.data_ptr(), bias_ptr, KIND_FLOAT32, out_features, in_features, 0), FLOAT32_MAX_ROWS, (w, bias)
     return None
 

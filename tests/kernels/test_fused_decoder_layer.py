@@ -38,6 +38,13 @@ CONTEXTS = [5, 17, 33, 1, 9, 63, 2, 11]  # tokens already in the pool, per reque
 ROWS = [1, 3, 8]
 
 
+@pytest.fixture(autouse=True)
+def float32_kind_everywhere(monkeypatch):
+    """The float32 row-dot kernel is tested on every CPU: in serving it is taken only with
+    AVX-512 (`test_float32_kind_needs_avx512`), here its scalar build is checked too."""
+    monkeypatch.setattr(cpu_ops, "cpu_has_avx512f", lambda: True)
+
+
 @dataclass(frozen=True)
 class Case:
     shape: fused.LayerShape
@@ -222,6 +229,14 @@ def test_float32_within_rounding_of_the_unfused_and_torch_paths(case, rows):
         untouched = torch.ones(got[2].shape[1], dtype=torch.bool)
         untouched[make_step(case, torch.float32, rows).out_cache_loc] = False
         assert torch.equal(got[2][:, untouched], make_step(case, torch.float32, rows).k_pool[:, untouched])
+
+
+def test_float32_kind_needs_avx512(monkeypatch):
+    """Without AVX-512 the row-dot kernel is scalar, slower than MKL unfused: not taken."""
+    case = CASES["bias+window+d128"]
+    layer = make_layer(NativeLayerOps(NATIVE), case, torch.float32, seed=0)
+    monkeypatch.setattr(cpu_ops, "cpu_has_avx512f", lambda: False)
+    assert layer.params(case, torch.float32, 0) is None
 
 
 def test_refuses_what_no_fused_kernel_reads():

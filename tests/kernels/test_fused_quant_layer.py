@@ -174,7 +174,7 @@ def test_equals_the_unfused_quantized_path_bit_for_bit(kind, case, dtype, rows):
         assert torch.equal(g, w), name
 
 
-def test_a_layer_of_quantized_and_plain_linears():
+def test_a_layer_of_quantized_and_plain_linears(monkeypatch):
     """A layer whose down shard was dequantized (a GGUF type the kernels do not serve) mixes
     kinds: its plain float32 linear takes the row-dot kernel (torch's in the unfused path:
     within `F32_TOL`), the quantized ones the quantized kernel (bit for bit); rows bounded by
@@ -183,6 +183,9 @@ def test_a_layer_of_quantized_and_plain_linears():
     a value across a rounding boundary (one int8 step, far above `F32_TOL`; MKL's order
     differs between CPUs). The output is held to `F32_TOL` of each row's largest value."""
     case, dtype = CASES["smollm2"], torch.float32
+    # The row-dot kernel serves only with AVX-512 (`fused_decoder_layer._fused_linear`);
+    # its scalar build is tested here on every CPU.
+    monkeypatch.setattr(cpu_ops, "cpu_has_avx512f", lambda: True)
     s = case.shape
     plain = {"down": fused.LinearWeights(_float(s.hidden, s.intermediate, seed=5), None, None)}
     input_norm, post_norm, lin = quant_layer("q4_1", case, dtype, seed=0)

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from arborlm.radix_cache.memory_pool import KV_CACHE_DTYPES
 from arborlm.runtime.forward_batch_info import ForwardBatch, ForwardMode
 from arborlm.runtime.model_loader import load_model, resolve_quantization
 from arborlm.runtime.speculative.scheduling import build_verify_batch, verify_num_tokens
@@ -137,9 +138,27 @@ def test_verifier_refuses_logits_without_a_row_per_chain_token():
         verifier.verify(reqs, [[1, 2]], None)
 
 
-def test_quantized_kv_and_triton_keep_the_extend_chains(tiny_llama_dir):
-    """The backends whose decode path does not take verify rows keep the chains."""
-    fp8 = load_model(tiny_llama_dir, torch.float32, CPU, kv_cache_dtype="fp8_e5m2")
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e5m2", "int8"])
+def test_rows_over_a_one_byte_kv_pool_equal_the_extend_chains(tiny_llama_dir, kv_cache_dtype):
+    """With the native kernels a one-byte KV pool is read in place, so verify steps take
+    decode rows: their logits equal the extend chains' (which read the same stored K/V
+    upcast) within float32 rounding."""
+    loaded = load_model(tiny_llama_dir, torch.float32, CPU, kv_cache_dtype=kv_cache_dtype)
+    assert uses_verify_rows(loaded.model)
+    harness, reqs = _prefilled(loaded.model, loaded.hf_config, KV_CACHE_DTYPES[kv_cache_dtype])
+    assert harness.token_to_kv_pool.quantized
+    drafts = [[101, 102, 103, 104, 105, 106], [], [7, 8, 9]]
+    chains = _chains(harness, reqs, drafts)
+    want = loaded.model.forward(chains).full_logits
+    got = loaded.model.forward(verify_rows(chains)).full_logits
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_upcast_copies_and_triton_keep_the_extend_chains(tiny_llama_dir):
+    """The backends whose decode path does not take verify rows keep the chains: a one-byte
+    KV pool without the native kernels (each row would gather its upcast copy), Triton."""
+    fp8 = load_model(tiny_llama_dir, torch.float32, CPU, kv_cache_dtype="fp8_e5m2", cpu_kernels=False)
     assert not uses_verify_rows(fp8.model)
     from arborlm.runtime.layers.attention.triton_backend import TritonAttentionBackend
 
@@ -158,13 +177,13 @@ PROMPTS = (
 
 
 def test_bfloat16_greedy_ngram_equals_speculation_off_on_the_default_model(smollm_dir):
-    """Default serving (bf16, GGUF weights): greedy NGRAM gives the tokens speculation off
-    gives, token for token, with drafts accepted."""
+    """Default serving where the CPU has bf16 (asked for here on any CPU; GGUF weights):
+    greedy NGRAM gives the tokens speculation off gives, token for token, with drafts accepted."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(smollm_dir))
     # The cost-aware switch off: every draft found is verified, whatever this machine's step times.
-    sched = create_scheduler(smollm_dir, tok, model=None, dtype="auto", speculative_algorithm="NGRAM",
+    sched = create_scheduler(smollm_dir, tok, model=None, dtype="bfloat16", speculative_algorithm="NGRAM",
                              speculative_adaptive=False, max_total_tokens=2048)
     assert sched.worker.model_runner.dtype == torch.bfloat16 and sched.worker.verify_as_rows
     speculator = sched.speculator
@@ -208,14 +227,16 @@ def test_verify_rows_travel_to_other_tensor_parallel_ranks(tiny_llama_dir):
     assert torch.equal(loaded.model.forward(rebuilt).full_logits, want)
 
 
-def test_the_extend_fallback_serves_ngram_over_a_quantized_kv_pool(tiny_llama_dir, tiny_tokenizer):
-    """With an fp8 KV pool the worker keeps the extend chains, and greedy NGRAM output still
-    equals speculation off (float32 activations), pools whole after every step."""
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_ngram_over_a_quantized_kv_pool(tiny_llama_dir, tiny_tokenizer, cpu_kernels):
+    """With an fp8 KV pool the worker verifies in decode rows where the native kernels read
+    the pool in place, and keeps the extend chains without them; either way greedy NGRAM
+    output equals speculation off (float32 activations), pools whole after every step."""
     from tests.runtime.speculative.test_spec_model import copy_prompts
 
-    sched = create_scheduler(tiny_llama_dir, tiny_tokenizer, kv_cache_dtype="fp8_e5m2",
+    sched = create_scheduler(tiny_llama_dir, tiny_tokenizer, kv_cache_dtype="fp8_e5m2", disable_cpu_kernels=not cpu_kernels,
                              speculative_algorithm="NGRAM", speculative_adaptive=False)
-    assert not sched.worker.verify_as_rows
+    assert sched.worker.verify_as_rows == cpu_kernels
     prompts = copy_prompts(3, seed=5)
 
     def reqs():
