@@ -23,17 +23,19 @@ from arborlm.kernels.triton_common import (
     check_head_dim_contiguous,
     dot_precision,
     dot_upcast,
+    kv_kernel_args,
 )
 
 
 @triton.jit
 def _decode_split_kernel(
-    Q, K_Buffer, V_Buffer, Req_to_token, Req_pool_indices, Seq_lens,
+    Q, K_Buffer, V_Buffer, K_Scale, V_Scale, Req_to_token, Req_pool_indices, Seq_lens,
     Mid_O, Mid_lse,
     scale, logit_cap, sliding_window,
     stride_q_token, stride_q_head,
     stride_k_slot, stride_k_head,
     stride_v_slot, stride_v_head,
+    stride_scale_slot,
     stride_r2t_row,
     stride_mo_token, stride_mo_head, stride_mo_split,
     stride_ml_token, stride_ml_head,
@@ -47,6 +49,7 @@ def _decode_split_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    KV_KIND: tl.constexpr,
 ):
     """Stage 1: the partial output and log-sum-exp of one (request, KV head, split)."""
     req = tl.program_id(0)
@@ -80,11 +83,11 @@ def _decode_split_kernel(
     for block_start in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = attend_kv_tile(
             acc, m_i, l_i, q, q_pos,
-            K_Buffer, V_Buffer, Req_to_token + row * stride_r2t_row, kv_head, block_start, hi,
+            K_Buffer, V_Buffer, K_Scale, V_Scale, Req_to_token + row * stride_r2t_row, kv_head, block_start, hi,
             scale, logit_cap, sliding_window,
-            stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+            stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_scale_slot,
             offs_d, d_mask,
-            BLOCK_N, USE_LOGIT_CAP, USE_WINDOW, DOT_PRECISION, DOT_UPCAST,
+            BLOCK_N, USE_LOGIT_CAP, USE_WINDOW, DOT_PRECISION, DOT_UPCAST, KV_KIND,
         )
 
     # An empty split (short request, many splits) leaves l_i = 0: it reports lse = -inf
@@ -164,6 +167,7 @@ def decode_attention(
     logit_cap: float = 0.0,
     num_kv_splits: int | None = None,
     max_len: int | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per request over all of that request's tokens.
 
@@ -172,7 +176,8 @@ def decode_attention(
     q: (batch, num_q_heads, head_dim) float16, bfloat16 or float32, the token at
         position `seq_len - 1`.
     k_buffer, v_buffer: (slots, num_kv_heads, head_dim), one layer of the pool in
-        q's dtype, already holding the new tokens' K/V.
+        q's dtype or in one byte per value (float8_e4m3fn, float8_e5m2, or int8 with
+        `kv_scales`; widened in the kernel), already holding the new tokens' K/V.
     req_to_token: (rows, max_context_len) int32/int64, slot of each position.
     req_pool_indices: (batch,) int, each request's row.
     seq_lens: (batch,) int, tokens per request (all >= 1).
@@ -183,6 +188,9 @@ def decode_attention(
         `default_num_kv_splits`.
     max_len: the longest `seq_len` if the caller knows it (saves a device sync).
 
+    kv_scales: an int8 pool's (k_scale, v_scale), (slots, num_kv_heads) float16 or
+        float32 with heads contiguous: K = k_buffer * k_scale[..., None]; None otherwise.
+
     Returns
     -------
     (batch, num_q_heads, head_dim) tensor in q's dtype.
@@ -190,9 +198,11 @@ def decode_attention(
     Raises
     ------
     ValueError
-        If q or the buffers do not have a contiguous last dimension.
+        If q or the buffers do not have a contiguous last dimension, or `kv_scales` does
+        not go with the pool's dtype (`triton_common.kv_kind`).
     """
     check_head_dim_contiguous(q, k_buffer, v_buffer)
+    k_buffer, v_buffer, k_scale, v_scale, stride_scale_slot, kind = kv_kernel_args(k_buffer, v_buffer, kv_scales)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     kv_group = num_q_heads // num_kv_heads
@@ -208,12 +218,13 @@ def decode_attention(
     kernel = _decode_split_kernel_autotuned if on_cuda else _decode_split_kernel
     tiles = {} if on_cuda else {"BLOCK_N": 64 if q.element_size() < 4 else 32}
     kernel[(batch, num_kv_heads, num_kv_splits)](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
+        q, k_buffer, v_buffer, k_scale, v_scale, req_to_token, req_pool_indices, seq_lens,
         mid_o, mid_lse,
         scale, float(logit_cap), int(sliding_window or 0),
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
+        stride_scale_slot,
         req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
@@ -226,6 +237,7 @@ def decode_attention(
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION=dot_precision(q.dtype),
         DOT_UPCAST=dot_upcast(q.dtype),
+        KV_KIND=kind,
         **tiles,
     )
     _decode_merge_kernel[(batch, num_q_heads)](

@@ -23,17 +23,19 @@ from arborlm.kernels.triton_common import (
     check_head_dim_contiguous,
     dot_precision,
     dot_upcast,
+    kv_kernel_args,
 )
 
 
 @triton.jit
 def _extend_kernel(
-    Q, K_Buffer, V_Buffer, Out,
+    Q, K_Buffer, V_Buffer, K_Scale, V_Scale, Out,
     Req_to_token, Req_pool_indices, Seq_lens, Extend_prefix_lens, Extend_seq_lens, Extend_start_loc,
     scale, logit_cap, sliding_window,
     stride_q_token, stride_q_head,
     stride_k_slot, stride_k_head,
     stride_v_slot, stride_v_head,
+    stride_scale_slot,
     stride_o_token, stride_o_head,
     stride_r2t_row,
     KV_GROUP: tl.constexpr,
@@ -45,6 +47,7 @@ def _extend_kernel(
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    KV_KIND: tl.constexpr,
 ):
     """Output of `BLOCK_M` new tokens of one request for one query head."""
     req = tl.program_id(0)
@@ -85,11 +88,11 @@ def _extend_kernel(
     for block_start in range(lo, hi, BLOCK_N):
         acc, m_i, l_i = attend_kv_tile(
             acc, m_i, l_i, q, q_pos,
-            K_Buffer, V_Buffer, Req_to_token + row * stride_r2t_row, kv_head, block_start, hi,
+            K_Buffer, V_Buffer, K_Scale, V_Scale, Req_to_token + row * stride_r2t_row, kv_head, block_start, hi,
             scale, logit_cap, sliding_window,
-            stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+            stride_k_slot, stride_k_head, stride_v_slot, stride_v_head, stride_scale_slot,
             offs_d, d_mask,
-            BLOCK_N, USE_LOGIT_CAP, USE_WINDOW, DOT_PRECISION, DOT_UPCAST,
+            BLOCK_N, USE_LOGIT_CAP, USE_WINDOW, DOT_PRECISION, DOT_UPCAST, KV_KIND,
         )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # every real query sees at least itself
@@ -136,6 +139,7 @@ def extend_attention(
     extend_start_loc: torch.Tensor | None = None,
     max_extend_len: int | None = None,
     block_sizes: tuple[int, int] | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Causal attention of each request's new tokens over its prefix and themselves.
 
@@ -144,7 +148,8 @@ def extend_attention(
     q: (num_tokens, num_q_heads, head_dim) float16, bfloat16 or float32, new
         tokens request after request.
     k_buffer, v_buffer: (slots, num_kv_heads, head_dim), one layer of the pool in
-        q's dtype, already holding the new tokens' K/V.
+        q's dtype or in one byte per value (float8_e4m3fn, float8_e5m2, or int8 with
+        `kv_scales`; widened in the kernel), already holding the new tokens' K/V.
     req_to_token: (rows, max_context_len) int32/int64, slot of each position.
     req_pool_indices: (batch,) int, each request's row.
     seq_lens: (batch,) int, prefix + new tokens.
@@ -160,6 +165,9 @@ def extend_attention(
     block_sizes: (BLOCK_M, BLOCK_N) powers of two >= 16; default: autotuned on
         CUDA, `extend_block_sizes` elsewhere.
 
+    kv_scales: an int8 pool's (k_scale, v_scale), (slots, num_kv_heads) float16 or
+        float32 with heads contiguous: K = k_buffer * k_scale[..., None]; None otherwise.
+
     Returns
     -------
     (num_tokens, num_q_heads, head_dim) tensor in q's dtype.
@@ -167,9 +175,11 @@ def extend_attention(
     Raises
     ------
     ValueError
-        If q or the buffers do not have a contiguous last dimension.
+        If q or the buffers do not have a contiguous last dimension, or `kv_scales` does
+        not go with the pool's dtype (`triton_common.kv_kind`).
     """
     check_head_dim_contiguous(q, k_buffer, v_buffer)
+    k_buffer, v_buffer, k_scale, v_scale, stride_scale_slot, kind = kv_kernel_args(k_buffer, v_buffer, kv_scales)
     num_tokens, num_q_heads, head_dim = q.shape
     batch = int(req_pool_indices.shape[0])
     if extend_start_loc is None:
@@ -185,12 +195,13 @@ def extend_attention(
         kernel, tiles = _extend_kernel, {"BLOCK_M": block_m, "BLOCK_N": block_n}
         grid = (batch, num_q_heads, triton.cdiv(max_extend_len, block_m))
     kernel[grid](
-        q, k_buffer, v_buffer, out,
+        q, k_buffer, v_buffer, k_scale, v_scale, out,
         req_to_token, req_pool_indices, seq_lens, extend_prefix_lens, extend_seq_lens, extend_start_loc,
         scale, float(logit_cap), int(sliding_window or 0),
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
+        stride_scale_slot,
         out.stride(0), out.stride(1),
         req_to_token.stride(0),
         KV_GROUP=num_q_heads // k_buffer.shape[1],
@@ -200,6 +211,7 @@ def extend_attention(
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION=dot_precision(q.dtype),
         DOT_UPCAST=dot_upcast(q.dtype),
+        KV_KIND=kind,
         **tiles,
     )
     return out

@@ -458,9 +458,9 @@ def load_model(
     quantization: "int8" quantizes the loaded linears to weight-only int8 per channel
         (`layers/quantization/int8_weights.py`), "int4" / "int4wo-32" / "int4wo-128" to
         4 bits per group (`int4_weights.py`); other values change nothing here.
-    kv_cache_dtype: "auto", or an fp8 name of `memory_pool.KV_CACHE_DTYPES`: the
-        model then attends through `QuantizedKVAttentionBackend` (K/V stored in fp8,
-        read upcast), whatever `attention_backend` says.
+    kv_cache_dtype: "auto", or a name of `memory_pool.KV_CACHE_DTYPES` (fp8, int8): the
+        model then attends through the Triton backend where that is `attention_backend`
+        (its kernels widen the one-byte K/V), else `QuantizedKVAttentionBackend`.
     is_embedding: serving embeddings (`--is-embedding`); then a bare decoder checkpoint
         (`registry.BARE_MODELS`: no LM head) is loaded too, its head tied to the embedding.
     parallel: this rank's `distributed.ParallelState` when tp_size > 1: the model is built
@@ -492,7 +492,7 @@ def load_model(
     ops = layer_ops(device, native=cpu_kernels)
     attn_backend = create_attention_backend(attention_backend, device, ops if ops.native else None)
     if kv_cache_dtype != "auto":
-        attn_backend = _quantized_kv_backend(kv_cache_dtype, device, ops if ops.native else None)
+        attn_backend = _quantized_kv_backend(kv_cache_dtype, device, ops if ops.native else None, attn_backend)
     bare = _is_bare_decoder(checkpoint, is_embedding)
     if bare:
         hf_config.tie_word_embeddings = True  # no head in the checkpoint; embeddings never use it
@@ -576,10 +576,14 @@ def _quantize_int4(model: torch.nn.Module, device: torch.device, native: bool, q
     int4_weights.quantize_linears_int4(model, quant_ops(device, native=native), group_size)
 
 
-def _quantized_kv_backend(kv_cache_dtype: str, device: torch.device, native):
-    """The attention backend for a pool stored in `kv_cache_dtype` (ValueError for an unknown name)."""
+def _quantized_kv_backend(kv_cache_dtype: str, device: torch.device, native, configured):
+    """The attention backend for a pool stored in `kv_cache_dtype` (ValueError for an unknown
+    name): the configured one where it reads one-byte pools in place (Triton), else
+    `QuantizedKVAttentionBackend`."""
     from arborlm.radix_cache.memory_pool import kv_cache_torch_dtype
     from arborlm.runtime.layers.attention.quantized_kv_backend import QuantizedKVAttentionBackend
 
     kv_cache_torch_dtype(kv_cache_dtype, torch.float32)  # refuses an unknown name
+    if configured.reads_one_byte_kv:
+        return configured
     return QuantizedKVAttentionBackend.create(device, native)

@@ -158,6 +158,73 @@ def test_sweep(heads, head_dim, page_size, dtype):
     check_decode([1, 150, 333], group * num_kv_heads, num_kv_heads, head_dim, page_size, dtype, num_kv_splits=4)
 
 
+ONE_BYTE = [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
+
+
+def one_byte(buffer: torch.Tensor, kv_dtype: torch.dtype):
+    """`buffer` as a one-byte pool stores it (`TokenToKVPool.set_kv_buffer`'s rounding):
+    (stored, scale or None, the float32 values the stored bytes stand for)."""
+    if kv_dtype != torch.int8:
+        stored = buffer.float().to(kv_dtype)
+        return stored, None, stored.float()
+    scale = (buffer.float().abs().amax(dim=-1) / 127).to(torch.float16)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    stored = torch.round(buffer.float() / scale.float()[..., None]).clamp_(-127, 127).to(torch.int8)
+    return stored, scale, stored.float() * scale.float()[..., None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kv_dtype", ONE_BYTE, ids=str)
+def test_one_byte_pools_read_in_place(kv_dtype, dtype):
+    """Decode and extend over an fp8 / int8 pool, widened in the kernel: equal the reference
+    over the widened values (the same tolerance as a pool of q's dtype)."""
+    k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens = make_paged_pool(
+        [40, 0, 129], [5, 17, 1], 2, 64, 16, dtype)
+    (k8, k_scale, k_wide), (v8, v_scale, v_wide) = (one_byte(b.cpu(), kv_dtype) for b in (k_buffer, v_buffer))
+    k8, v8, k_wide, v_wide = (t.to(DEVICE) for t in (k8, v8, k_wide, v_wide))
+    scales = None if k_scale is None else (k_scale.to(DEVICE), v_scale.to(DEVICE))
+    gen = torch.Generator().manual_seed(3)
+    prefix, extend = torch.tensor([40, 0, 129], device=DEVICE), torch.tensor([5, 17, 1], device=DEVICE)
+    q = torch.randn(23, 6, 64, generator=gen).to(dtype).to(DEVICE)
+    out = extend_attention(q, k8, v8, req_to_token, req_pool_indices, seq_lens, prefix, extend, 0.125,
+                           kv_scales=scales)
+    want = reference.extend_attention(q.float(), k_wide, v_wide, req_to_token, req_pool_indices, seq_lens, prefix,
+                                      extend, 0.125)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+    q = torch.randn(3, 6, 64, generator=gen).to(dtype).to(DEVICE)
+    out = decode_attention(q, k8, v8, req_to_token, req_pool_indices, seq_lens, 0.125, 30, kv_scales=scales,
+                           num_kv_splits=2)
+    want = reference.decode_attention(q.float(), k_wide, v_wide, req_to_token, req_pool_indices, seq_lens, 0.125, 30)
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_every_fp8_byte_widens_as_torch_does(kv_dtype):
+    """All 256 bit patterns (subnormals, the largest values, inf, NaN) as V rows of one-key
+    requests in float32: each output row is its V row as torch's `.float()` widens it."""
+    rows, head_dim = 4, 64
+    v8 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(rows, 1, head_dim).view(kv_dtype)
+    k8 = torch.zeros_like(v8)  # keys 0: a finite score, so the one probability is exactly 1
+    req_to_token = torch.arange(rows, dtype=torch.int32).view(rows, 1)
+    q = torch.ones(rows, 1, head_dim)
+    lens = torch.ones(rows, dtype=torch.int64)
+    tensors = [t.to(DEVICE) for t in (q, k8, v8, req_to_token, torch.arange(rows), lens)]
+    out = decode_attention(*tensors, 1.0)
+    torch.testing.assert_close(out.cpu(), v8.float(), atol=0, rtol=0, equal_nan=True)
+
+
+def test_int8_pool_needs_its_scales():
+    k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens = make_paged_pool([3], [1], 2, 64, 1, torch.float32)
+    k8, k_scale, _ = one_byte(k_buffer.cpu(), torch.int8)
+    q = torch.randn(1, 2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="kv_scales"):
+        decode_attention(q, k8.to(DEVICE), k8.to(DEVICE), req_to_token, req_pool_indices, seq_lens, 0.125)
+    with pytest.raises(ValueError, match="kv_scales"):
+        decode_attention(q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, 0.125,
+                         kv_scales=(k_scale, k_scale))
+
+
 def test_bad_layout_is_a_clear_error():
     k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens = make_paged_pool([3], [1], 2, 64, 1, torch.float32)
     q = torch.randn(1, 64, 2, device=DEVICE).transpose(1, 2)  # last dim strided
@@ -181,3 +248,31 @@ def test_model_gives_the_same_tokens_on_triton_and_torch(tiny_llama_dir):
         outputs[backend + "_logits"] = first.extend([first.new_req() for _ in prompts], prompts).next_token_logits
     assert outputs["triton"] == outputs["torch"]
     torch.testing.assert_close(outputs["triton_logits"], outputs["torch_logits"], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_model_over_a_one_byte_pool_on_triton_and_torch(tiny_llama_dir, kv_cache_dtype):
+    """`kv_cache_dtype` with `attention_backend="triton"` keeps the Triton backend (its
+    kernels widen the pool's bytes) and gives the torch path's logits over the same pool
+    (prompt and teacher-forced decode steps) within float32 rounding."""
+    from arborlm.radix_cache.memory_pool import KV_CACHE_DTYPES
+    from arborlm.runtime.layers.attention.triton_backend import TritonAttentionBackend
+    from arborlm.runtime.model_loader import load_model
+    from tests.runtime.model_helpers import ModelHarness
+
+    prompts = [[1, 4, 9, 16, 25, 36, 49], [2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41], [100]]
+    logits, tokens = {}, None
+    for backend in ("torch", "triton"):
+        loaded = load_model(tiny_llama_dir, torch.float32, torch.device("cpu"), backend,
+                            kv_cache_dtype=kv_cache_dtype)
+        backends = {type(getattr(m, "backend", None)) for m in loaded.model.modules()} - {type(None)}
+        assert (backends == {TritonAttentionBackend}) == (backend == "triton")
+        harness = ModelHarness(loaded.model, loaded.hf_config, dtype=KV_CACHE_DTYPES[kv_cache_dtype])
+        tokens = tokens or harness.greedy(prompts, 4)
+        harness = ModelHarness(loaded.model, loaded.hf_config, dtype=KV_CACHE_DTYPES[kv_cache_dtype])
+        rows = [harness.new_req() for _ in prompts]
+        steps = [harness.extend(rows, prompts).next_token_logits]
+        for i in range(3):
+            steps.append(harness.decode(rows, [t[i] for t in tokens]).next_token_logits)
+        logits[backend] = torch.cat(steps)
+    torch.testing.assert_close(logits["triton"], logits["torch"], atol=1e-4, rtol=1e-4)

@@ -37,8 +37,9 @@ def uses_verify_rows(model: torch.nn.Module) -> bool:
     True when the model attends through at least one attention backend and every
     one of them says its decode path takes verify rows
     (`AttentionBackend.takes_verify_rows`: the torch backend, native kernels or
-    not, and the reference one). False for the Triton backend and the quantized-KV
-    one (see their reasons there) and for a model without paged attention. No
+    not, the reference one, the quantized-KV one with the native kernels). False for
+    the Triton backend and the quantized-KV one without native kernels (see their
+    reasons there) and for a model without paged attention. No
     model here keeps per-request state outside the KV pool (every layer but
     attention works token by token), so the backends decide alone.
     """

@@ -25,9 +25,14 @@ class AttentionBackend(ABC):
     `speculative/verify_batch.py`): true where the decode path stores every row's new
     K/V before attending and attends each row on its own over its `req_to_token` row
     and `seq_len`. False (the default) keeps verify steps on the extend path.
+
+    `reads_one_byte_kv`: whether the backend attends over a pool stored in one byte per
+    value (`kv_cache_dtype` fp8 / int8, `TokenToKVPool.quantized`) itself; the loader puts
+    `QuantizedKVAttentionBackend` in the place of those that do not.
     """
 
     takes_verify_rows: bool = False
+    reads_one_byte_kv: bool = False
 
     @classmethod
     def create(cls, device: torch.device, native: NativeLayerOps | None) -> AttentionBackend:

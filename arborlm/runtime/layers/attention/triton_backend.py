@@ -1,6 +1,7 @@
 """The Triton attention backend: `kernels/triton_extend.py` and `triton_decode.py`.
 
-The CUDA path: the kernels read K/V through `req_to_token` with no gather. On the
+The CUDA path: the kernels read K/V through `req_to_token` with no gather, from a pool
+in the model's dtype or in one byte per value (`kv_cache_dtype`, widened in the kernel). On the
 CPU they run only under `TRITON_INTERPRET=1` (tests). Triton is imported when a
 step runs, so this module imports where triton is not installed.
 """
@@ -53,6 +54,8 @@ class TritonAttentionBackend(AttentionBackend):
     # per block of its chain, the decode kernel once per row (and its KV split count would
     # follow the row count); on a GPU the extend kernel is the cheaper verify.
     takes_verify_rows = False
+    # The kernels widen fp8 / int8 K/V as they load them (`triton_common.load_kv_rows`).
+    reads_one_byte_kv = True
 
     @classmethod
     def create(cls, device: torch.device, native: NativeLayerOps | None) -> TritonAttentionBackend:
@@ -88,6 +91,7 @@ class TritonAttentionBackend(AttentionBackend):
         pool = forward_batch.token_to_kv_pool
         pool.set_kv_buffer(layer_id, forward_batch.out_cache_loc, k, v)
         k_buffer, v_buffer = pool.get_kv_buffer(layer_id)
+        kv_scales = pool.get_kv_scales(layer_id)
         if forward_batch.attn_metadata is None:
             self.init_forward_metadata(forward_batch)
         meta: TritonMetadata = forward_batch.attn_metadata
@@ -97,9 +101,10 @@ class TritonAttentionBackend(AttentionBackend):
             return triton_decode.decode_attention(
                 q, k_buffer, v_buffer, req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
                 scale, sliding_window, logit_cap, num_kv_splits=meta.num_kv_splits, max_len=meta.max_len,
+                kv_scales=kv_scales,
             )
         return triton_extend.extend_attention(
             q, k_buffer, v_buffer, req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
             forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens, scale, sliding_window, logit_cap,
-            extend_start_loc=meta.extend_start_loc, max_extend_len=meta.max_extend_len,
+            extend_start_loc=meta.extend_start_loc, max_extend_len=meta.max_extend_len, kv_scales=kv_scales,
         )
