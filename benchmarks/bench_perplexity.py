@@ -3,7 +3,9 @@
 The text is `benchmarks/data/perplexity_text.txt` (an essay written for this
 benchmark, ~2.4k tokens). It is cut into windows of `--window` tokens; each window
 is one prefill through the model runner (the serving path: its pools, its
-attention backend, its kernels) and scores every token after the first. Perplexity
+attention backend, its kernels) and scores every token after the first; with `--chunk N`
+a window is fed in extend steps of N tokens over its cached prefix instead, so that at
+N <= 64 the quantized linears run their decode kernels (int8 activations) as decode does. Perplexity
 is exp(mean negative log-likelihood) over all scored tokens.
 
 Variants (bf16 activations throughout):
@@ -107,18 +109,25 @@ def requantize_linears(model: torch.nn.Module, fmt: str) -> None:
             model.set_submodule(path, layer)
 
 
-def window_nll(runner: ModelRunner, ids: list[int]) -> float:
-    """Summed negative log-likelihood (nats) of ids[1:] given the tokens before, one prefill."""
+def window_nll(runner: ModelRunner, ids: list[int], chunk: int = 0) -> float:
+    """Summed negative log-likelihood (nats) of ids[1:] given the tokens before: one prefill,
+    or with `chunk` > 0 extend steps of at most `chunk` new tokens over the cached prefix (at
+    <= 64 rows, `quant_ops.INT8_MAX_ROWS`, the quantized linears take their decode kernels,
+    int8 activations included, instead of the dequantized GEMM of long prefills)."""
     (row,) = runner.req_to_token_pool.alloc(1)
     loc = runner.token_to_kv_pool_allocator.alloc(len(ids))
     try:
         runner.req_to_token_pool.req_to_token[row, :len(ids)] = loc.to(torch.int32)
-        batch = ForwardBatch.build(
-            ForwardMode.EXTEND, ids, [row], [0], [len(ids)], loc, runner.req_to_token_pool,
-            runner.token_to_kv_pool, return_full_logits=True,
-        )
-        logits = runner.forward(batch).full_logits.float()
-        return float(F.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="sum"))
+        step = chunk if chunk > 0 else len(ids)
+        logits = []
+        for start in range(0, len(ids), step):
+            end = min(start + step, len(ids))
+            batch = ForwardBatch.build(
+                ForwardMode.EXTEND, ids[start:end], [row], [start], [end - start], loc[start:end],
+                runner.req_to_token_pool, runner.token_to_kv_pool, return_full_logits=True,
+            )
+            logits.append(runner.forward(batch).full_logits.float())
+        return float(F.cross_entropy(torch.cat(logits)[:-1], torch.tensor(ids[1:]), reduction="sum"))
     finally:
         runner.req_to_token_pool.free(row)
         runner.token_to_kv_pool_allocator.free(loc)
@@ -166,9 +175,9 @@ def agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
     return same / sum(len(r) for r in reference)
 
 
-def perplexity(runner: ModelRunner, windows: list[list[int]]) -> tuple[float, int]:
-    """(perplexity, tokens scored) over the windows."""
-    nll = sum(window_nll(runner, w) for w in windows)
+def perplexity(runner: ModelRunner, windows: list[list[int]], chunk: int = 0) -> tuple[float, int]:
+    """(perplexity, tokens scored) over the windows (`chunk`: see `window_nll`)."""
+    nll = sum(window_nll(runner, w, chunk) for w in windows)
     scored = sum(len(w) - 1 for w in windows)
     return math.exp(nll / scored), scored
 
@@ -177,6 +186,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a GGUF file; default SmolLM2-135M-Instruct (Q4_1)")
     parser.add_argument("--window", type=int, default=512, help="tokens per prefill window")
+    parser.add_argument("--chunk", type=int, default=0,
+                        help="score each window in extend steps of at most this many tokens (0: one prefill); "
+                             "<= 64 puts the quantized decode kernels in the perplexity")
     parser.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v != "int4wo-128"], choices=VARIANTS)
     parser.add_argument("--greedy-prompts", type=int, default=32, help="prompts for greedy agreement (0: none)")
     parser.add_argument("--greedy-tokens", type=int, default=64, help="greedy tokens per prompt")
@@ -197,7 +209,7 @@ def main() -> None:
             windows = [ids[i:i + args.window] for i in range(0, len(ids), args.window) if len(ids[i:i + args.window]) > 1]
             stride = max(1, (len(ids) - 32) // max(args.greedy_prompts, 1))
             prompts = [ids[i * stride:i * stride + 32] for i in range(args.greedy_prompts)]
-        results[variant] = perplexity(runner, windows)
+        results[variant] = perplexity(runner, windows, args.chunk)
         if prompts:
             greedy[variant] = greedy_tokens(runner, prompts, args.greedy_tokens)
         print(f"{variant}: perplexity {results[variant][0]:.4f} ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
@@ -209,7 +221,8 @@ def main() -> None:
     for variant, (ppl, scored) in results.items():
         rate = f"{agreement(greedy[variant], greedy['none']):.3f}" if greedy else "-"
         print(f"| {variant} | {ppl:.3f} | {ppl / base:.4f} | {scored} | {rate} |")
-    print(f"\nwindow {args.window} tokens over {TEXT.name}; bf16 activations")
+    steps = f"extend steps of {args.chunk} tokens" if args.chunk > 0 else "one prefill each"
+    print(f"\nwindow {args.window} tokens over {TEXT.name} ({steps}); bf16 activations")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,20 @@ def test_perplexity_is_exp_cross_entropy(tiny):
     assert ppl == pytest.approx(math.exp(nll / scored), rel=1e-4)
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_chunked_windows_score_the_same_text(tiny, chunk):
+    """Extend steps of `chunk` tokens over the cached prefix give the one-prefill perplexity
+    (float32, same weights: within rounding) and leave the pools as they were."""
+    folder, _ = tiny
+    runner = bench_perplexity.runner_for("none", str(folder), "float32")
+    free_rows, free_slots = runner.req_to_token_pool.available_size(), runner.token_to_kv_pool_allocator.available_size()
+    whole, scored = bench_perplexity.perplexity(runner, WINDOWS)
+    chunked, scored_chunked = bench_perplexity.perplexity(runner, WINDOWS, chunk)
+    assert scored_chunked == scored and chunked == pytest.approx(whole, rel=1e-5)
+    assert runner.req_to_token_pool.available_size() == free_rows
+    assert runner.token_to_kv_pool_allocator.available_size() == free_slots
+
+
 def test_requantized_variant_serves_packed_blocks(tiny):
     folder, _ = tiny
     runner = bench_perplexity.runner_for("gguf-q8_0", str(folder), "float32")
