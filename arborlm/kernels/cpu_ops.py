@@ -69,6 +69,7 @@ _SIGNATURES = {
         ctypes.c_int, ctypes.c_int, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32, _i64, _f32,
         _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr,
     ),
+    "arborlm_store_kv_int8": (ctypes.c_int, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr),
     "arborlm_amx_ready": (),
     "arborlm_linear_bf16": (_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64),
     "arborlm_extend_attention_bf16": (
@@ -470,6 +471,39 @@ class NativeLayerOps(LayerOps):
             out.data_ptr(), out.stride(0), *store,
         )
         return out
+
+    def store_kv_int8(self, k: torch.Tensor, v: torch.Tensor, loc: torch.Tensor, buffers: tuple[torch.Tensor, ...]
+                      ) -> None:
+        """Store new K/V into one layer of an int8 pool as `TokenToKVPool.set_kv_buffer`
+        rounds them (bit for bit), in one pass.
+
+        k, v: (tokens, num_kv_heads, head_dim) float32 / bfloat16, heads contiguous (token
+        stride free). loc: (tokens,) int64 slots. buffers: (k_buffer, v_buffer) (slots,
+        num_kv_heads, head_dim) int8 and (k_scale, v_scale) (slots, num_kv_heads) float16,
+        contiguous. Slots are not range-checked.
+
+        Raises
+        ------
+        ValueError
+            For other dtypes or layouts.
+        """
+        k_buffer, v_buffer, k_scale, v_scale = buffers
+        tokens, heads, head_dim = k.shape
+        ok = (
+            k.dtype in _DTYPE_CODES and v.dtype == k.dtype and v.shape == k.shape and _rows_ok(k) and _rows_ok(v)
+            and k.stride(1) == head_dim and v.stride(1) == head_dim and loc.shape == (tokens,)
+            and all(b.dtype == torch.int8 and b.is_contiguous() and b.shape[1:] == (heads, head_dim)
+                    for b in (k_buffer, v_buffer))
+            and all(s.dtype == torch.float16 and s.is_contiguous() and s.shape == k_buffer.shape[:2]
+                    for s in (k_scale, v_scale))
+        )
+        if not ok:
+            raise ValueError("store_kv_int8: unsupported dtype or layout for the native kernel")
+        loc = loc.to(torch.int64).contiguous()
+        self.lib.arborlm_store_kv_int8(
+            _DTYPE_CODES[k.dtype], k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), loc.data_ptr(), tokens,
+            heads, head_dim, k_buffer.data_ptr(), v_buffer.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
+        )
 
     def extend_attention(
         self,

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = (_CSRC / "fused_decoder_layer.cpp", _CSRC / "cpu_kernels.cpp", _CSRC / "linear_bf16_avx512.cpp",
            _CSRC / "quant_linear.cpp", _CSRC / "quant_layout.h")
-ABI_VERSION = 2
+ABI_VERSION = 3
 # Weight kinds of `FusedLinear.kind` (see the source).
 KIND_BF16_AVX512, KIND_BF16_AMX, KIND_FLOAT32, KIND_QUANT = 0, 1, 2, 3
 # Rows up to which float32 decode steps take the fused layer: its row-dot linear reads
@@ -76,6 +76,7 @@ class _StepStruct(ctypes.Structure):
         ("rows", _i64), ("req_to_token", _ptr), ("req_to_token_stride", _i64), ("req_pool_indices", _ptr),
         ("seq_lens", _ptr), ("out_cache_loc", _ptr), ("positions", _ptr), ("cos_table", _ptr),
         ("sin_table", _ptr), ("k_pool", _ptr), ("v_pool", _ptr), ("pool_layer_stride", _i64),
+        ("kv_dtype", _i64), ("k_scale", _ptr), ("v_scale", _ptr), ("scale_layer_stride", _i64),
     ]
 
 
@@ -247,6 +248,7 @@ def step_params(
     req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor,
     positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
     k_pool: torch.Tensor, v_pool: torch.Tensor, dtype: torch.dtype, head_dim: int,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> StepParams | None:
     """A decode step's shared inputs, or None where the fused layer does not take them.
 
@@ -254,9 +256,10 @@ def step_params(
     seq_lens (after this step's token), out_cache_loc, positions: (rows,) int64
     contiguous CPU. cos_table, sin_table: (max_positions, head_dim) contiguous in
     `dtype` (full-width rotary, `rotate_half`'s sign in sin, as `RotaryStep`).
-    k_pool, v_pool: (layers, slots, num_kv_heads, head_dim) contiguous in `dtype` (the
-    whole `TokenToKVPool` buffers). Indices are the scheduler's and are not
-    range-checked, as in `NativeLayerOps.decode_attention`.
+    k_pool, v_pool: (layers, slots, num_kv_heads, head_dim) contiguous in `dtype`, or
+    int8 with `kv_scales` ((layers, slots, num_kv_heads) float16 contiguous: an int8
+    `TokenToKVPool`'s, which the layer fills as `set_kv_buffer` does). Indices are the
+    scheduler's and are not range-checked, as in `NativeLayerOps.decode_attention`.
     """
     rows = positions.shape[0]
     index_ok = all(
@@ -266,19 +269,27 @@ def step_params(
     table_ok = all(
         t.dtype == dtype and t.is_contiguous() and t.dim() == 2 and t.shape[1] == head_dim for t in (cos_table, sin_table)
     )
+    pool_dtype = torch.int8 if kv_scales is not None else dtype
     pool_ok = all(
-        t.dtype == dtype and t.is_contiguous() and t.is_cpu and t.dim() == 4 and t.shape[3] == head_dim
+        t.dtype == pool_dtype and t.is_contiguous() and t.is_cpu and t.dim() == 4 and t.shape[3] == head_dim
         for t in (k_pool, v_pool)
     ) and k_pool.shape == v_pool.shape
+    if pool_ok and kv_scales is not None:
+        pool_ok = all(s.dtype == torch.float16 and s.is_contiguous() and s.shape == k_pool.shape[:3]
+                      for s in kv_scales)
     r2t_ok = req_to_token.dtype == torch.int32 and req_to_token.dim() == 2 and req_to_token.stride(1) == 1
     if not (rows > 0 and index_ok and table_ok and pool_ok and r2t_ok):
         return None
+    scales = (None, None, 0) if kv_scales is None else (kv_scales[0].data_ptr(), kv_scales[1].data_ptr(),
+                                                          kv_scales[0].stride(0))
     struct = _StepStruct(
         rows, req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(), seq_lens.data_ptr(),
         out_cache_loc.data_ptr(), positions.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(),
         k_pool.data_ptr(), v_pool.data_ptr(), k_pool.stride(0),
+        cpu_ops.KV_DTYPE_CODES[pool_dtype], *scales,
     )
-    tensors = (req_to_token, req_pool_indices, seq_lens, out_cache_loc, positions, cos_table, sin_table, k_pool, v_pool)
+    tensors = (req_to_token, req_pool_indices, seq_lens, out_cache_loc, positions, cos_table, sin_table, k_pool, v_pool,
+               *(kv_scales or ()))
     return StepParams(struct, ctypes.addressof(struct), rows, tensors)
 
 

@@ -584,6 +584,32 @@ def test_every_fp8_byte_widens_as_torch_does(ops, kv_dtype, head_dim):
     torch.testing.assert_close(out, v8.float(), atol=0, rtol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_int8_store_rounds_as_the_pool_does(ops, dtype):
+    """The native int8 store gives the bytes and scales `TokenToKVPool.set_kv_buffer` gives,
+    bit for bit: ordinary rows, all-zero rows, rows whose scale is an fp16 subnormal or
+    overflows fp16, and K/V read from a fused qkv row (token stride wider than a row)."""
+    from arborlm.radix_cache.memory_pool import TokenToKVPool
+
+    tokens, heads, head_dim = 9, 3, 64
+    qkv = randn(tokens, 5 * heads, head_dim, dtype=dtype, seed=21, scale=3.0)
+    qkv[1, 3 * heads] = 0  # an all-zero K row
+    qkv[2, 3 * heads + 1] *= 1e-5  # its scale an fp16 subnormal
+    qkv[3, 4 * heads] *= 1e7 if dtype == torch.float32 else 1e6  # its scale past fp16's range
+    k, v = qkv[:, 3 * heads:4 * heads], qkv[:, 4 * heads:]
+    loc = torch.tensor([7, 2, 30, 11, 5, 19, 1, 25, 13])
+    want = TokenToKVPool(32, 2, heads, head_dim, torch.int8)
+    got = TokenToKVPool(32, 2, heads, head_dim, torch.int8)
+    want.set_kv_buffer(1, loc, k, v)
+    ops.store_kv_int8(k, v, loc, (*got.get_kv_buffer(1), *got.get_kv_scales(1)))
+    for a, b in ((got.k_buffer, want.k_buffer), (got.v_buffer, want.v_buffer)):
+        assert torch.equal(a, b)
+    for a, b in ((got.k_scale, want.k_scale), (got.v_scale, want.v_scale)):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    with pytest.raises(ValueError, match="store_kv_int8"):
+        ops.store_kv_int8(k.half(), v.half(), loc, (*got.get_kv_buffer(1), *got.get_kv_scales(1)))
+
+
 def test_int8_pool_needs_its_scales(ops):
     case = decode_case([5, 3], 2, 2, 64, torch.float32)
     q, k_buffer, v_buffer, req_to_token, *_ = case

@@ -48,9 +48,10 @@ GGUF_CASES = {"llama": ("llama", LLAMA_TYPES, {}), "qwen2-tied-bias": ("qwen2", 
               "llama-k": ("llama", K_LLAMA_TYPES, K_SIZES)}
 
 
-def decode_on_off(loaded, dtype, prompts, new_tokens, monkeypatch):
+def decode_on_off(loaded, dtype, prompts, new_tokens, monkeypatch, pool_dtype=None):
     """(logits on, logits off, fused layer calls, greedy tokens on): a prefill, then decode steps
-    fed the fused-on path's greedy tokens, with the fused path on and then off."""
+    fed the fused-on path's greedy tokens, with the fused path on and then off (KV pool in
+    `pool_dtype`, default `dtype`)."""
     fd = loaded.model.model.fused_decode
     assert fd is not None
     calls = []
@@ -59,7 +60,7 @@ def decode_on_off(loaded, dtype, prompts, new_tokens, monkeypatch):
     runs, tokens = [], None
     for enabled in (True, False):
         fd.enabled = enabled
-        harness = ModelHarness(loaded.model, loaded.hf_config, dtype=dtype)
+        harness = ModelHarness(loaded.model, loaded.hf_config, dtype=pool_dtype or dtype)
         rows = [harness.new_req() for _ in prompts]
         logits = [harness.extend(rows, prompts).next_token_logits]
         greedy = [[t] for t in logits[0].argmax(-1).tolist()]
@@ -141,14 +142,6 @@ def test_weights_quantized_at_load(llama_dir, quantization, dtype, monkeypatch):
     assert torch.equal(on, off)
 
 
-def test_a_quantized_kv_pool_keeps_the_unfused_path(llama_dir, monkeypatch):
-    from arborlm.radix_cache.memory_pool import KV_CACHE_DTYPES
-
-    loaded = load_model(llama_dir, torch.float32, torch.device("cpu"), quantization="int8", kv_cache_dtype="int8")
-    _, _, calls = decode_on_off(loaded, KV_CACHE_DTYPES["int8"], PROMPTS[:1], 4, monkeypatch)
-    assert calls == 0
-
-
 @pytest.mark.smollm
 def test_default_gguf_model(smollm_dir: Path, monkeypatch):
     """bf16 as served by default; every projection is Q4_1 (the table Q8_0)."""
@@ -160,3 +153,20 @@ def test_default_gguf_model(smollm_dir: Path, monkeypatch):
     on, off, calls = decode_on_off(loaded, torch.bfloat16, prompts, NEW_TOKENS, monkeypatch)
     assert calls == (NEW_TOKENS - 1) * loaded.hf_config.num_hidden_layers
     assert torch.equal(on, off)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+def test_int8_kv_pool_is_fused_bit_for_bit(llama_dir, dtype, monkeypatch):
+    """An int8 KV pool (`kv_cache_dtype="int8"`) keeps the fused layer: it quantizes the new
+    K/V into the pool as `set_kv_buffer` does and attends in place, so its logits equal the
+    unfused path's (store by torch, the same decode kernel) bit for bit."""
+    loaded = load_model(llama_dir, dtype, torch.device("cpu"), quantization="int8", kv_cache_dtype="int8")
+    on, off, calls = decode_on_off(loaded, dtype, PROMPTS, NEW_TOKENS, monkeypatch, pool_dtype=torch.int8)
+    assert calls == (NEW_TOKENS - 1) * loaded.hf_config.num_hidden_layers
+    assert torch.equal(on, off)
+
+
+def test_fp8_kv_pool_keeps_the_unfused_path(llama_dir, monkeypatch):
+    loaded = load_model(llama_dir, torch.float32, torch.device("cpu"), quantization="int8", kv_cache_dtype="fp8_e4m3")
+    _, _, calls = decode_on_off(loaded, torch.float32, PROMPTS, 3, monkeypatch, pool_dtype=torch.float8_e4m3fn)
+    assert calls == 0

@@ -82,6 +82,25 @@ inline float f16_to_f32(uint16_t h) {
   return f;
 }
 
+// float32 to IEEE half, rounded to nearest even as torch's `.to(float16)` (overflow to
+// inf, subnormals, NaN kept quiet).
+inline uint16_t f32_to_f16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  u &= 0x7fffffffu;
+  if (u > 0x7f800000u) return sign | 0x7e00u;
+  if (u >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 rounds to inf
+  if (u < 0x38800000u) {  // below 2^-14: a subnormal half, in steps of 2^-24 (exact scaling)
+    float a;
+    std::memcpy(&a, &u, 4);
+    return sign | static_cast<uint16_t>(std::nearbyint(a * 16777216.0f));
+  }
+  uint32_t r = u - (112u << 23);  // exponent bias 127 -> 15
+  r += 0xfffu + ((r >> 13) & 1u);
+  return sign | static_cast<uint16_t>(r >> 13);
+}
+
 // float8_e4m3fn (bias 7, no infinities, 0x7f / 0xff NaN) to float32, exact: a normal
 // value's exponent and mantissa move into float32's fields with the bias raised by 120;
 // a subnormal is its 3-bit mantissa times 2^-9.
@@ -519,6 +538,29 @@ void store_kv(const T* k_new, int64_t k_stride, const T* v_new, int64_t v_stride
     std::memcpy(k_buffer + loc[t] * row, k_new + t * k_stride, row * sizeof(T));
     std::memcpy(v_buffer + loc[t] * row, v_new + t * v_stride, row * sizeof(T));
   }
+}
+
+// Store new K or V rows into an int8 pool as `TokenToKVPool.set_kv_buffer` does, bit for
+// bit: per (token, KV head) scale = fp16(max |x| / 127) (1 where that is 0), values
+// round(x / scale) (half to even) clamped to [-127, 127]. rows: (tokens, kv_heads,
+// head_dim) with token stride `stride`; buffer (slots, kv_heads, head_dim) int8, scales
+// (slots, kv_heads) fp16 bits; loc: each token's slot.
+template <typename T>
+void store_kv_int8(const T* rows, int64_t stride, const int64_t* loc, int64_t tokens, int64_t kv_heads,
+                   int64_t head_dim, int8_t* buffer, uint16_t* scales) {
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      const T* x = rows + t * stride + h * head_dim;
+      float amax = 0.f;
+      for (int64_t d = 0; d < head_dim; ++d) amax = std::fmax(amax, std::fabs(load(x, d)));
+      uint16_t bits = f32_to_f16(amax / 127.f);
+      float scale = f16_to_f32(bits);
+      if (!(scale > 0.f)) bits = 0x3c00u, scale = 1.f;  // 1.0: an all-zero row
+      int8_t* out = buffer + (loc[t] * kv_heads + h) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d)
+        out[d] = static_cast<int8_t>(std::fmin(std::fmax(std::nearbyint(load(x, d) / scale), -127.f), 127.f));
+      scales[loc[t] * kv_heads + h] = bits;
+    }
 }
 
 template <typename T, typename E>
@@ -962,6 +1004,24 @@ void arborlm_decode_attention(int dtype, int kv_dtype, const void* q, int64_t q_
     decode_attention_kv(kv_dtype, static_cast<const uint16_t*>(q), q_stride, k_buffer, v_buffer, ks, vs,
                         req_to_token, req_to_token_stride, req_pool_indices, seq_lens, batch, q_heads, kv_heads,
                         head_dim, scale, window, logit_cap, static_cast<uint16_t*>(out), out_stride);
+}
+
+// `store_kv_int8` for the new K and V of `tokens` tokens (q's dtype `dtype`: 0 float32,
+// 1 bfloat16), into one layer of an int8 pool and its scales.
+void arborlm_store_kv_int8(int dtype, const void* k_new, int64_t k_stride, const void* v_new, int64_t v_stride,
+                           const int64_t* loc, int64_t tokens, int64_t kv_heads, int64_t head_dim, void* k_buffer,
+                           void* v_buffer, void* k_scale, void* v_scale) {
+  auto* kb = static_cast<int8_t*>(k_buffer);
+  auto* vb = static_cast<int8_t*>(v_buffer);
+  auto* ks = static_cast<uint16_t*>(k_scale);
+  auto* vs = static_cast<uint16_t*>(v_scale);
+  if (dtype == 0) {
+    store_kv_int8(static_cast<const float*>(k_new), k_stride, loc, tokens, kv_heads, head_dim, kb, ks);
+    store_kv_int8(static_cast<const float*>(v_new), v_stride, loc, tokens, kv_heads, head_dim, vb, vs);
+  } else {
+    store_kv_int8(static_cast<const uint16_t*>(k_new), k_stride, loc, tokens, kv_heads, head_dim, kb, ks);
+    store_kv_int8(static_cast<const uint16_t*>(v_new), v_stride, loc, tokens, kv_heads, head_dim, vb, vs);
+  }
 }
 
 // 1 when the library has the AMX linear layer and the kernel lets this process

@@ -51,6 +51,9 @@ void arborlm_decode_attention(int dtype, int kv_dtype, const void* q, int64_t q_
                               int64_t q_heads, int64_t kv_heads, int64_t head_dim, float scale, int64_t window,
                               float logit_cap, void* out, int64_t out_stride, const void* k_new, int64_t k_stride,
                               const void* v_new, int64_t v_stride, const int64_t* out_cache_loc);
+void arborlm_store_kv_int8(int dtype, const void* k_new, int64_t k_stride, const void* v_new, int64_t v_stride,
+                           const int64_t* loc, int64_t tokens, int64_t kv_heads, int64_t head_dim, void* k_buffer,
+                           void* v_buffer, void* k_scale, void* v_scale);
 void arborlm_linear_bf16(const void* x, int64_t x_stride, int64_t rows, int64_t in_features, const void* packed,
                          int64_t out_features, const void* bias, void* out, int64_t out_stride);
 void arborlm_linear_bf16_avx512(const uint16_t* x, int64_t x_stride, int64_t rows, int64_t K, int64_t k_block,
@@ -68,6 +71,7 @@ constexpr int64_t kBf16Avx512 = 0;  // `linear_avx512.Avx512Weight.data`
 constexpr int64_t kBf16Amx = 1;     // `cpu_ops.AmxWeight.data`
 constexpr int64_t kFloat32 = 2;     // the (out, in) float32 weight itself, rows contiguous
 constexpr int64_t kQuant = 3;       // a `FusedQuantParts` (either dtype)
+constexpr int kKvInt8 = 4;  // `cpu_kernels.cpp`'s KV code of an int8 pool with fp16 scales
 constexpr int32_t kNumQuantFormats = 6;  // quant_layout.h's `Format` codes are 0..5
 
 // Minimum weight elements before the float32 kernel wakes the OpenMP threads.
@@ -121,6 +125,10 @@ struct FusedStep {
   void* k_pool;  // (layers, slots, kv_heads, head_dim) contiguous
   void* v_pool;
   int64_t pool_layer_stride;  // elements between two layers of the pool
+  int64_t kv_dtype;  // what the pool stores: the layer's dtype code, or kKvInt8 (with scales)
+  void* k_scale;     // kKvInt8: (layers, slots, kv_heads) fp16 contiguous; else null
+  void* v_scale;
+  int64_t scale_layer_stride;  // elements between two layers of the scales
 };
 
 // Scratch rows (`fused_decoder_layer.DecodeScratch`), each (capacity, width) contiguous.
@@ -202,7 +210,7 @@ int64_t element_bytes(int64_t dtype) { return dtype == 0 ? 4 : 2; }
 
 extern "C" {
 
-int arborlm_fused_layer_abi_version() { return 2; }
+int arborlm_fused_layer_abi_version() { return 3; }
 
 // One decoder layer of a decode step (see the top of the file). x, residual, out:
 // (rows, hidden) contiguous rows. With add_residual 0 (the first layer) the residual
@@ -234,13 +242,30 @@ int arborlm_fused_decoder_layer(const FusedLayerParams* p, const FusedStep* step
   arborlm_rotary(dtype, s->qkv, qkv_width, rows, p->num_heads + p->num_kv_heads, D, step->positions, step->cos_table,
                  step->sin_table);
   char* qkv = static_cast<char*>(s->qkv);
-  const int64_t layer_offset = p->layer_id * step->pool_layer_stride * bytes;
-  arborlm_decode_attention(dtype, dtype, qkv, qkv_width, static_cast<char*>(step->k_pool) + layer_offset,
-                           static_cast<char*>(step->v_pool) + layer_offset, nullptr, nullptr, step->req_to_token,
-                           step->req_to_token_stride, step->req_pool_indices, step->seq_lens, rows, p->num_heads,
-                           p->num_kv_heads, D, p->scale, p->window, p->logit_cap, s->attn, q_size,
-                           qkv + q_size * bytes, qkv_width, qkv + (q_size + kv_size) * bytes, qkv_width,
-                           step->out_cache_loc);
+  char* k_new = qkv + q_size * bytes;
+  char* v_new = qkv + (q_size + kv_size) * bytes;
+  if (step->kv_dtype == kKvInt8) {
+    // An int8 pool: quantize the new K/V into it (as `TokenToKVPool.set_kv_buffer`),
+    // then attend over it in place.
+    const int64_t layer_offset = p->layer_id * step->pool_layer_stride;  // one byte per value
+    char* k_pool = static_cast<char*>(step->k_pool) + layer_offset;
+    char* v_pool = static_cast<char*>(step->v_pool) + layer_offset;
+    uint16_t* k_scale = static_cast<uint16_t*>(step->k_scale) + p->layer_id * step->scale_layer_stride;
+    uint16_t* v_scale = static_cast<uint16_t*>(step->v_scale) + p->layer_id * step->scale_layer_stride;
+    arborlm_store_kv_int8(dtype, k_new, qkv_width, v_new, qkv_width, step->out_cache_loc, rows, p->num_kv_heads, D,
+                          k_pool, v_pool, k_scale, v_scale);
+    arborlm_decode_attention(dtype, kKvInt8, qkv, qkv_width, k_pool, v_pool, k_scale, v_scale, step->req_to_token,
+                             step->req_to_token_stride, step->req_pool_indices, step->seq_lens, rows, p->num_heads,
+                             p->num_kv_heads, D, p->scale, p->window, p->logit_cap, s->attn, q_size, nullptr, 0,
+                             nullptr, 0, nullptr);
+  } else {
+    const int64_t layer_offset = p->layer_id * step->pool_layer_stride * bytes;
+    arborlm_decode_attention(dtype, dtype, qkv, qkv_width, static_cast<char*>(step->k_pool) + layer_offset,
+                             static_cast<char*>(step->v_pool) + layer_offset, nullptr, nullptr, step->req_to_token,
+                             step->req_to_token_stride, step->req_pool_indices, step->seq_lens, rows, p->num_heads,
+                             p->num_kv_heads, D, p->scale, p->window, p->logit_cap, s->attn, q_size, k_new,
+                             qkv_width, v_new, qkv_width, step->out_cache_loc);
+  }
   linear(p->o_proj, p->dtype, s->attn, rows, s->o);
   arborlm_rms_norm(dtype, s->o, H, residual, H, p->post_norm, s->normed, H, rows, H, p->post_eps);
   linear(p->gate_up, p->dtype, s->normed, rows, s->gate_up);

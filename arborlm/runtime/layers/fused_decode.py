@@ -4,7 +4,8 @@
 first (`LlamaDecoderLayer.forward`); it runs the layer through
 `kernels/fused_decoder_layer.py` only where that gives what the unfused path
 would: a DECODE step on the native CPU attention path (`NativeDecodeMetadata`
-from `TorchAttentionBackend`, so a K/V pool in the model dtype), bf16 with the
+from `TorchAttentionBackend`, a K/V pool in the model dtype, or from
+`QuantizedKVAttentionBackend` over an int8 pool), bf16 with the
 AVX-512 or AMX linear packing or float32, rows within the linears' kernels'
 bound, full-width rotary, plain `Linear` projections or `QuantizedLinear` ones on
 the native quantized kernels (GGUF blocks, int8 / int4 weight-only; not
@@ -145,10 +146,13 @@ class FusedDecode:
         if last is not None and last[0] is meta and last[1] is rotary and last[2:] == key[2:]:
             return self._step
         pool = forward_batch.token_to_kv_pool
+        # An int8 pool comes with its scales (the layer stores and attends over it in place);
+        # an fp8 pool has no fused store and is refused by `step_params` (its dtype).
+        scales = (pool.k_scale, pool.v_scale) if getattr(pool, "k_scale", None) is not None else None
         self._step = fused.step_params(
             forward_batch.req_to_token_pool.req_to_token, meta.req_pool_indices, meta.seq_lens, meta.out_cache_loc,
             rotary.positions, rotary.cos_table, rotary.sin_table, getattr(pool, "k_buffer", None),
-            getattr(pool, "v_buffer", None), params.dtype, params.shape.head_dim,
+            getattr(pool, "v_buffer", None), params.dtype, params.shape.head_dim, scales,
         ) if isinstance(getattr(pool, "k_buffer", None), torch.Tensor) else None
         self._step_key = key
         return self._step

@@ -25,6 +25,7 @@ from arborlm.kernels import reference
 from arborlm.kernels.cpu_ops import NativeLayerOps
 from arborlm.runtime.forward_batch_info import ForwardBatch
 from arborlm.runtime.layers.attention.base import AttentionBackend
+from arborlm.runtime.layers.attention.torch_native_backend import NativeDecodeMetadata
 
 
 @dataclass
@@ -42,17 +43,6 @@ class CompactKVMetadata:
     req_to_token: torch.Tensor
     req_pool_indices: torch.Tensor
     seq_lens: torch.Tensor
-
-
-@dataclass
-class InPlaceDecodeMetadata:
-    """A DECODE step read in place by the native kernel: the step's request rows and
-    lengths as contiguous int64 (batch,) tensors, made once per step; `checked` once the
-    first layer's tensors passed `can_decode`."""
-
-    req_pool_indices: torch.Tensor
-    seq_lens: torch.Tensor
-    checked: bool = False
 
 
 def compact_kv_metadata(forward_batch: ForwardBatch) -> CompactKVMetadata:
@@ -89,9 +79,12 @@ class QuantizedKVAttentionBackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         if self.native is not None and forward_batch.forward_mode.is_decode():
-            forward_batch.attn_metadata = InPlaceDecodeMetadata(
+            # The torch backend's metadata: over an int8 pool the fused decoder layer
+            # (`layers/fused_decode.py`) takes the step as it does over a float pool.
+            forward_batch.attn_metadata = NativeDecodeMetadata(
                 forward_batch.req_pool_indices.to(torch.int64).contiguous(),
                 forward_batch.seq_lens.to(torch.int64).contiguous(),
+                forward_batch.out_cache_loc.to(torch.int64).contiguous(),
             )
             return
         forward_batch.attn_metadata = compact_kv_metadata(forward_batch)
@@ -100,7 +93,7 @@ class QuantizedKVAttentionBackend(AttentionBackend):
         pool = forward_batch.token_to_kv_pool
         pool.set_kv_buffer(layer_id, forward_batch.out_cache_loc, k, v)
         meta = forward_batch.attn_metadata
-        if isinstance(meta, InPlaceDecodeMetadata):
+        if isinstance(meta, NativeDecodeMetadata):
             out = self._decode_in_place(q, layer_id, forward_batch, meta, scale, sliding_window, logit_cap)
             if out is not None:
                 return out
@@ -116,7 +109,7 @@ class QuantizedKVAttentionBackend(AttentionBackend):
             forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens, scale, sliding_window, logit_cap,
         )
 
-    def _decode_in_place(self, q, layer_id, forward_batch, meta: InPlaceDecodeMetadata, scale, sliding_window,
+    def _decode_in_place(self, q, layer_id, forward_batch, meta: NativeDecodeMetadata, scale, sliding_window,
                          logit_cap) -> torch.Tensor | None:
         """The DECODE step through the C++ kernel over the one-byte pool (K/V already
         stored); None where it does not take these tensors."""
