@@ -118,9 +118,27 @@ inline float fp8_e4m3_to_f32(uint8_t b) {
   return (b & 0x80u) ? -f : f;
 }
 
-inline float load(const Fp8E4M3* p, int64_t i) { return fp8_e4m3_to_f32(p[i].bits); }
 // float8_e5m2 is the top byte of an IEEE half.
-inline float load(const Fp8E5M2* p, int64_t i) { return f16_to_f32(static_cast<uint16_t>(p[i].bits << 8)); }
+inline float fp8_e5m2_to_f32(uint8_t b) { return f16_to_f32(static_cast<uint16_t>(b << 8)); }
+
+// All 256 values of a one-byte float format, for the scalar loads: a table read instead
+// of the branches of a conversion per element (about 2x faster decode attention over an
+// fp8 pool without AVX-512, bench_quant.py on an AVX2-only EPYC).
+struct Fp8Table {
+  float values[256];
+  explicit Fp8Table(float (*widen)(uint8_t)) {
+    for (int b = 0; b < 256; ++b) values[b] = widen(static_cast<uint8_t>(b));
+  }
+};
+
+inline float load(const Fp8E4M3* p, int64_t i) {
+  static const Fp8Table table(fp8_e4m3_to_f32);  // built once, thread-safe (C++11 statics)
+  return table.values[p[i].bits];
+}
+inline float load(const Fp8E5M2* p, int64_t i) {
+  static const Fp8Table table(fp8_e5m2_to_f32);
+  return table.values[p[i].bits];
+}
 inline float load(const int8_t* p, int64_t i) { return static_cast<float>(p[i]); }
 
 // Scale of row (slot, head) of a KV pool layer: an int8 pool's fp16 scale; 1 for the
