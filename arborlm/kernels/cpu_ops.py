@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 # -ffp-contract=off: no fused multiply-adds, so float32 results round as torch's ops do.
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
-ABI_VERSION = 4
+ABI_VERSION = 5
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # What a KV pool layer stores, as `arborlm_decode_attention` numbers it: q's dtype, or one
 # byte per value (`kv_cache_dtype`; int8 with an fp16 scale per slot and KV head).
@@ -72,6 +72,10 @@ _SIGNATURES = {
     "arborlm_store_kv_int8": (ctypes.c_int, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr),
     "arborlm_amx_ready": (),
     "arborlm_linear_bf16": (_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64),
+    "arborlm_extend_attention": (
+        ctypes.c_int, ctypes.c_int, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64,
+        _i64, _i64, _f32, _i64, _f32, _ptr, _i64,
+    ),
     "arborlm_extend_attention_bf16": (
         _ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _f32, _i64, _f32,
         _ptr, _i64,
@@ -538,6 +542,57 @@ class NativeLayerOps(LayerOps):
             req_to_token.stride(0), req_pool_indices.data_ptr(), seq_lens.data_ptr(), extend_seq_lens.data_ptr(),
             extend_start_loc.data_ptr(), req_pool_indices.shape[0], num_q_heads, k_buffer.shape[1], head_dim,
             scale, sliding_window or 0, logit_cap, out.data_ptr(), out.stride(0),
+        )
+        return out
+
+    def extend_attention_tiled(
+        self,
+        q: torch.Tensor,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        extend_seq_lens: torch.Tensor,
+        extend_start_loc: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_cap: float = 0.0,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        check: bool = True,
+    ) -> torch.Tensor:
+        """Attention of an EXTEND step's new tokens over the paged pool, K/V read in place
+        in tiles of 64 keys widened to float32 (any CPU; FlashAttention's online softmax).
+
+        q: (num_tokens, num_q_heads, head_dim) float32 or bfloat16, new tokens request
+        after request, heads contiguous within a row. k_buffer, v_buffer: (slots,
+        num_kv_heads, head_dim) contiguous, in q's dtype or one byte per value (as
+        `decode_attention`, int8 with `kv_scales`), already holding the new tokens' K/V.
+        req_pool_indices, seq_lens, extend_seq_lens, extend_start_loc (each request's
+        first row of q): (batch,) int64 CPU, contiguous. Semantics as
+        `reference.extend_attention` (scores and softmax in float32); indices are not
+        range-checked. `kv_scales`: an int8 pool's, as `decode_attention`'s. check: False
+        skips `can_decode` (which decides what this kernel takes) when the caller has
+        checked tensors of the same layout.
+
+        Returns (num_tokens, num_q_heads, head_dim) in q's dtype.
+
+        Raises
+        ------
+        ValueError
+            For layouts the kernel does not take.
+        """
+        if check and not self.can_decode(q, k_buffer, v_buffer, req_to_token, kv_scales=kv_scales):
+            raise ValueError("extend_attention_tiled: unsupported dtype, device or layout for the native kernel")
+        num_tokens, num_q_heads, head_dim = q.shape
+        out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype)
+        scales = (None, None) if kv_scales is None else (kv_scales[0].data_ptr(), kv_scales[1].data_ptr())
+        self.lib.arborlm_extend_attention(
+            _DTYPE_CODES[q.dtype], KV_DTYPE_CODES[k_buffer.dtype], q.data_ptr(), q.stride(0), k_buffer.data_ptr(),
+            v_buffer.data_ptr(), *scales, req_to_token.data_ptr(), req_to_token.stride(0), req_pool_indices.data_ptr(),
+            seq_lens.data_ptr(), extend_seq_lens.data_ptr(), extend_start_loc.data_ptr(), req_pool_indices.shape[0],
+            num_q_heads, k_buffer.shape[1], head_dim, scale, sliding_window or 0, logit_cap, out.data_ptr(),
+            out.stride(0),
         )
         return out
 

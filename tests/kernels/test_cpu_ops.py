@@ -664,3 +664,91 @@ def test_second_build_reuses_the_library(compiler, tmp_path):
     assert second == first and second.stat().st_mtime_ns == mtime
     assert kernel_files(tmp_path) == [first.name]
     assert cpu_ops.load_library(tmp_path).arborlm_abi_version() == cpu_ops.ABI_VERSION
+
+
+# ------------------------------------------------ extend attention in tiles (any pool)
+
+
+def extend_case(prefix_lens, extend_lens, num_kv_heads, group, head_dim, dtype, seed=31):
+    """An EXTEND step's q and a paged pool as `decode_case` lays it out (slots shuffled,
+    rows out of order, req_to_token past each seq_len filled with other slots).
+
+    Returns (q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens,
+    extend_prefix_lens, extend_seq_lens, extend_start_loc)."""
+    seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
+    _, k_buffer, v_buffer, req_to_token, rpi, lens = decode_case(seq_lens, num_kv_heads, group, head_dim, dtype, seed)
+    q = randn(sum(extend_lens), num_kv_heads * group, head_dim, dtype=dtype, seed=seed + 7, scale=4.0)
+    extend = torch.tensor(extend_lens)
+    return (q, k_buffer, v_buffer, req_to_token, rpi, lens, torch.tensor(prefix_lens), extend,
+            torch.cumsum(extend, 0) - extend)
+
+
+# The tiled extend kernel's register blocks are AVX2 + FMA intrinsics (on AVX-512 CPUs too)
+# with a plain C++ fallback: the "scalar" build runs that.
+EXTEND_BUILDS = {**BUILDS, "scalar": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
+
+
+@pytest.fixture(scope="module", params=list(EXTEND_BUILDS))
+def extend_ops(request, compiler, tmp_path_factory) -> NativeLayerOps:
+    """`NativeLayerOps` over the library built for each entry of `EXTEND_BUILDS`."""
+    if EXTEND_BUILDS[request.param] and platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip(f"the {request.param} build passes x86-only flags; this machine is {platform.machine()}")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_ops, "CXX_FLAGS", cpu_ops.CXX_FLAGS + EXTEND_BUILDS[request.param])
+        return NativeLayerOps(cpu_ops.load_library(tmp_path_factory.mktemp(f"extend-{request.param}")))
+
+
+# New tokens from 1 to past two row blocks (16) and key tiles (64), after cached prefixes of
+# 0 to past a tile.
+EXTEND_PREFIXES, EXTEND_LENS = [0, 37, 100, 63, 5], [70, 5, 1, 130, 16]
+
+
+@pytest.mark.parametrize("sliding_window,logit_cap", [(None, 0.0), (50, 0.0), (None, 30.0), (17, 30.0)])
+@pytest.mark.parametrize("head_dim", [40, 64, 128])  # 40: past the register blocks of 16 dims
+@pytest.mark.parametrize("group", [1, 3, 4])
+@pytest.mark.parametrize("kv_dtype", [None, *ONE_BYTE], ids=str)  # None: a pool of q's dtype
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_extend_attention_tiled_equals_the_oracle(extend_ops, dtype, kv_dtype, group, head_dim, sliding_window, logit_cap):
+    """K/V read in place (one-byte pools widened per tile): equals `reference.extend_attention`
+    over the widened float32 values, float32 within rounding, bf16 within one ulp."""
+    q, k_buffer, v_buffer, req_to_token, rpi, lens, prefix, extend, start = extend_case(
+        EXTEND_PREFIXES, EXTEND_LENS, 2, group, head_dim, dtype)
+    if kv_dtype is None:
+        k_pool, v_pool, scales, k_wide, v_wide = k_buffer, v_buffer, None, k_buffer.float(), v_buffer.float()
+    else:
+        (k_pool, k_scale, k_wide), (v_pool, v_scale, v_wide) = (one_byte_pool(b, kv_dtype) for b in (k_buffer, v_buffer))
+        scales = None if k_scale is None else (k_scale, v_scale)
+    out = extend_ops.extend_attention_tiled(q, k_pool, v_pool, req_to_token, rpi, lens, extend, start, head_dim**-0.5,
+                                     sliding_window, logit_cap, kv_scales=scales)
+    expected = reference.extend_attention(q.float(), k_wide, v_wide, req_to_token, rpi, lens, prefix, extend,
+                                          head_dim**-0.5, sliding_window, logit_cap)
+    rtol = 1e-5 if dtype == torch.float32 else BF16_RTOL
+    torch.testing.assert_close(out.float(), expected, atol=1e-5, rtol=rtol)
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=str)
+def test_extend_attention_tiled_request_does_not_depend_on_its_batch(extend_ops, kv_dtype):
+    """A request's rows are the same bits alone and in the batch (work items are one
+    request's blocks), so prefill outputs do not depend on what else is scheduled."""
+    q, k_buffer, v_buffer, req_to_token, rpi, lens, _, extend, start = extend_case(
+        EXTEND_PREFIXES, EXTEND_LENS, 3, 3, 64, torch.float32)
+    scales = None
+    if kv_dtype is not None:
+        (k_buffer, k_scale, _), (v_buffer, v_scale, _) = (one_byte_pool(b, kv_dtype) for b in (k_buffer, v_buffer))
+        scales = (k_scale, v_scale)
+    batched = extend_ops.extend_attention_tiled(q, k_buffer, v_buffer, req_to_token, rpi, lens, extend, start, 0.125,
+                                         kv_scales=scales)
+    for i in (0, 3):
+        rows = slice(int(start[i]), int(start[i] + extend[i]))
+        alone = extend_ops.extend_attention_tiled(q[rows], k_buffer, v_buffer, req_to_token, rpi[i:i + 1], lens[i:i + 1],
+                                           extend[i:i + 1], torch.zeros(1, dtype=torch.int64), 0.125, kv_scales=scales)
+        assert torch.equal(alone, batched[rows])
+
+
+def test_extend_attention_tiled_refuses_what_it_does_not_take(extend_ops):
+    q, k_buffer, v_buffer, req_to_token, rpi, lens, _, extend, start = extend_case([3], [4], 2, 2, 64, torch.float32)
+    k8, k_scale, _ = one_byte_pool(k_buffer, torch.int8)
+    with pytest.raises(ValueError, match="extend_attention_tiled"):  # an int8 pool without its scales
+        extend_ops.extend_attention_tiled(q, k8, k8, req_to_token, rpi, lens, extend, start, 0.125)
+    with pytest.raises(ValueError, match="extend_attention_tiled"):  # a float16 pool
+        extend_ops.extend_attention_tiled(q, k_buffer.half(), v_buffer.half(), req_to_token, rpi, lens, extend, start, 0.125)

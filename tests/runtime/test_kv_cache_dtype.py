@@ -1,8 +1,9 @@
 """A quantized KV pool (`kv_cache_dtype`: SGLang's fp8_e5m2 / fp8_e4m3, and int8 with a scale per
 token and KV head): storage, attention, pool size.
 
-The pool stores one byte per value (fp8: saturated cast) and attention reads it upcast
-(`layers/attention/quantized_kv_backend.py`). Attention over the fp8 pool equals the
+The pool stores one byte per value (fp8: saturated cast); attention reads it in place
+with the C++ kernels, else upcast (`layers/attention/quantized_kv_backend.py`); native
+steps never read an upcast copy. Attention over the fp8 pool equals the
 reference attention over a float pool holding the same fp8-rounded K/V (1e-5), for
 decode and extend steps with a cached prefix; a tiny Llama served with an fp8 pool keeps
 its float-pool logits (prompt and teacher-forced decode steps) within the format's
@@ -114,6 +115,44 @@ def test_attention_equals_reference_over_rounded_kv(name, dtype):
             out[kind] = backends[kind].forward(q, kk, vv, 0, batch, HEAD_DIM**-0.5)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out["fp8"].float(), out["ref"].float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_native_steps_read_the_pool_in_place(name, monkeypatch):
+    """With the C++ kernels, prefill, extend-after-prefix and decode steps over a one-byte
+    pool never read an upcast copy of the context (`read_kv`), and equal the reference."""
+    native = _native()
+    if native is None:
+        pytest.skip("no native CPU kernels (no C++ compiler): steps read the upcast copy, tested above")
+    monkeypatch.setattr(TokenToKVPool, "read_kv", lambda *a, **k: pytest.fail("read an upcast copy"))
+    g = torch.Generator().manual_seed(1)
+    pool = TokenToKVPool(256, 1, KV_HEADS, HEAD_DIM, KV_CACHE_DTYPES[name])
+    ref_pool = TokenToKVPool(256, 1, KV_HEADS, HEAD_DIM, torch.float32)
+    req_pools, allocators = [ReqToTokenPool(4, 200) for _ in range(2)], [TokenToKVPoolAllocator(256) for _ in range(2)]
+    backends = [QuantizedKVAttentionBackend.create(torch.device("cpu"), native), ReferenceAttentionBackend()]
+    steps = [(ForwardMode.EXTEND, [0, 0], [70, 9]), (ForwardMode.EXTEND, [70, 9], [20, 80]),
+             (ForwardMode.DECODE, [90, 89], [1, 1])]
+    for mode, prefix_lens, new_lens in steps:
+        n = sum(new_lens)
+        q = torch.randn(n, HEADS, HEAD_DIM, generator=g)
+        k, v = (torch.randn(n, KV_HEADS, HEAD_DIM, generator=g) for _ in range(2))
+        outs = []
+        for i, kv_pool in enumerate((pool, ref_pool)):
+            batch = _batch(mode, kv_pool, req_pools[i], allocators[i], [1, 3], prefix_lens, new_lens)
+            backends[i].init_forward_metadata(batch)
+            kk, vv = (k, v) if i == 0 else (_rounded_in_place(name, k), _rounded_in_place(name, v))
+            outs.append(backends[i].forward(q, kk, vv, 0, batch, HEAD_DIM**-0.5))
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+def _rounded_in_place(kind: str, x: torch.Tensor) -> torch.Tensor:
+    """`_rounded` without `read_kv`: the pool's stored values widened by hand."""
+    pool = TokenToKVPool(x.shape[0], 1, x.shape[1], x.shape[2], KV_CACHE_DTYPES[kind])
+    slots = torch.arange(1, x.shape[0] + 1)
+    pool.set_kv_buffer(0, slots, x, x)
+    stored = pool.get_kv_buffer(0)[0][slots].float()
+    scales = pool.get_kv_scales(0)
+    return stored if scales is None else stored * scales[0][slots].float()[..., None]
 
 
 def _native():

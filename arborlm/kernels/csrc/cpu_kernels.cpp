@@ -19,9 +19,10 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -625,6 +626,267 @@ void decode_attention_kv(int kv_dtype, const T* q, int64_t q_stride, const void*
   }
 }
 
+// ---- Extend attention over a pool of any KV code, in tiles ------------------
+//
+// Why: an EXTEND step over a one-byte pool (`kv_cache_dtype`) would otherwise read an
+// upcast copy of every request's whole context per layer, then attend over the copy;
+// a multi-turn request with a long cached prefix and a few new tokens pays more for
+// the copy than for its attention. Here each tile of keys is widened once (in L1) and
+// used by every new token of a block and every query head of the KV head's group,
+// with the online softmax of FlashAttention (Dao et al., arXiv 2205.14135): running
+// max and sum per query row, the accumulator rescaled when the max grows. The inner
+// loops run over independent lanes (keys of a tile, dims of a row), so the compiler
+// vectorizes them for whatever the CPU has (AVX2 or AVX-512) without reordering a sum.
+
+// Keys per tile and new tokens per work item.
+constexpr int64_t kTileKeys = 64;
+constexpr int64_t kTileRows = 16;
+
+// exp(x) for x <= 0 (the softmax's shifted scores), as `fast_exp` (Cephes `expf`), in
+// operations a loop of it vectorizes with: floor and the clamp in integers, 2^n built in
+// the exponent bits (below 2^-126 the result is 0).
+inline float exp_nonpositive(float x) {
+  const float y = x * 1.44269504088896341f + 0.5f;
+  int32_t n = static_cast<int32_t>(y);
+  n -= static_cast<int32_t>(static_cast<float>(n) > y);  // truncation to floor
+  n = n < -127 ? -127 : n;
+  const float nf = static_cast<float>(n);
+  const float r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (n + 127) << 23;
+  float pow2;
+  std::memcpy(&pow2, &bits, 4);
+  return p * pow2;
+}
+
+// Query rows and keys / dims of one register block of the tile products: 4 x 16 float32
+// accumulators (8 AVX2 or 4 AVX-512 registers), fused multiply-adds.
+constexpr int64_t kBlockRows = 4;
+constexpr int64_t kBlockLanes = 16;
+
+// s[r][j] = q[r] . kt[:, j] for kBlockRows rows of q (row stride D) and the tile's keys
+// [j0, j0 + kBlockLanes) (kt: D x kTileKeys, transposed); s row stride kTileKeys.
+inline void tile_scores(const float* __restrict q, const float* __restrict kt, int64_t D, int64_t j0,
+                        float* __restrict s) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 k0 = _mm256_loadu_ps(kt + d * kTileKeys + j0), k1 = _mm256_loadu_ps(kt + d * kTileKeys + j0 + 8);
+    __m256 qv = _mm256_broadcast_ss(q + d);
+    a00 = _mm256_fmadd_ps(qv, k0, a00), a01 = _mm256_fmadd_ps(qv, k1, a01);
+    qv = _mm256_broadcast_ss(q + D + d);
+    a10 = _mm256_fmadd_ps(qv, k0, a10), a11 = _mm256_fmadd_ps(qv, k1, a11);
+    qv = _mm256_broadcast_ss(q + 2 * D + d);
+    a20 = _mm256_fmadd_ps(qv, k0, a20), a21 = _mm256_fmadd_ps(qv, k1, a21);
+    qv = _mm256_broadcast_ss(q + 3 * D + d);
+    a30 = _mm256_fmadd_ps(qv, k0, a30), a31 = _mm256_fmadd_ps(qv, k1, a31);
+  }
+  float* o = s + j0;
+  _mm256_storeu_ps(o, a00), _mm256_storeu_ps(o + 8, a01);
+  _mm256_storeu_ps(o + kTileKeys, a10), _mm256_storeu_ps(o + kTileKeys + 8, a11);
+  _mm256_storeu_ps(o + 2 * kTileKeys, a20), _mm256_storeu_ps(o + 2 * kTileKeys + 8, a21);
+  _mm256_storeu_ps(o + 3 * kTileKeys, a30), _mm256_storeu_ps(o + 3 * kTileKeys + 8, a31);
+#else
+  for (int64_t r = 0; r < kBlockRows; ++r)
+    for (int64_t j = 0; j < kBlockLanes; ++j) {
+      float dot = 0.f;
+      for (int64_t d = 0; d < D; ++d) dot = std::fma(q[r * D + d], kt[d * kTileKeys + j0 + j], dot);
+      s[r * kTileKeys + j0 + j] = dot;
+    }
+#endif
+}
+
+// acc[r][d0, d0 + kBlockLanes) += sum_j p[r][j] * vt[j][d0 + ...] over the tile's n keys, for
+// kBlockRows rows (p row stride kTileKeys, acc row stride D).
+inline void tile_values(const float* __restrict p, const float* __restrict vt, int64_t n, int64_t D, int64_t d0,
+                        float* __restrict acc) {
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 v0 = _mm256_loadu_ps(vt + j * D + d0), v1 = _mm256_loadu_ps(vt + j * D + d0 + 8);
+    __m256 pv = _mm256_broadcast_ss(p + j);
+    a00 = _mm256_fmadd_ps(pv, v0, a00), a01 = _mm256_fmadd_ps(pv, v1, a01);
+    pv = _mm256_broadcast_ss(p + kTileKeys + j);
+    a10 = _mm256_fmadd_ps(pv, v0, a10), a11 = _mm256_fmadd_ps(pv, v1, a11);
+    pv = _mm256_broadcast_ss(p + 2 * kTileKeys + j);
+    a20 = _mm256_fmadd_ps(pv, v0, a20), a21 = _mm256_fmadd_ps(pv, v1, a21);
+    pv = _mm256_broadcast_ss(p + 3 * kTileKeys + j);
+    a30 = _mm256_fmadd_ps(pv, v0, a30), a31 = _mm256_fmadd_ps(pv, v1, a31);
+  }
+  const __m256 acc_rows[kBlockRows][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
+  for (int64_t r = 0; r < kBlockRows; ++r)
+    for (int64_t h = 0; h < 2; ++h) {
+      float* o = acc + r * D + d0 + 8 * h;
+      _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), acc_rows[r][h]));
+    }
+#else
+  for (int64_t r = 0; r < kBlockRows; ++r)
+    for (int64_t e = 0; e < kBlockLanes; ++e) {
+      float sum = 0.f;
+      for (int64_t j = 0; j < n; ++j) sum = std::fma(p[r * kTileKeys + j], vt[j * D + d0 + e], sum);
+      acc[r * D + d0 + e] += sum;
+    }
+#endif
+}
+
+// Scratch of one thread for `extend_tile_block`: the widened K tile (head_dim x keys,
+// transposed), the V tile (keys x head_dim), query rows, the tile's scores / probabilities,
+// and per query row its accumulator, running max and running sum.
+struct ExtendScratch {
+  std::vector<float> kt, vt, q, s, acc, mx, sum;
+};
+
+// One request, one KV head, new tokens [row0, row0 + rows) of the request (positions
+// prefix + row0 + i): every query head of the group attends causally (and within
+// `window`) over the request's keys, read in place through its `req_to_token` row.
+// q / out point at the request's first new token (row stride q_stride / out_stride).
+// Query rows are (token, group head) pairs, padded to a multiple of kBlockRows with
+// zero rows whose probabilities stay 0.
+template <typename T, typename E>
+void extend_tile_block(const T* q, int64_t q_stride, const E* k_buffer, const E* v_buffer, const uint16_t* k_scale,
+                       const uint16_t* v_scale, const int32_t* slots, int64_t prefix, int64_t row0, int64_t rows,
+                       int64_t kv_heads, int64_t head, int64_t group, int64_t head_dim, float scale, int64_t window,
+                       float logit_cap, T* out, int64_t out_stride, ExtendScratch& sc) {
+  const int64_t D = head_dim, R = rows * group, R4 = (R + kBlockRows - 1) / kBlockRows * kBlockRows;
+  const int64_t D16 = D / kBlockLanes * kBlockLanes;
+  sc.kt.assign(D * kTileKeys, 0.f);
+  sc.vt.assign(kTileKeys * D, 0.f);
+  sc.q.assign(R4 * D, 0.f);
+  sc.s.resize(R4 * kTileKeys);
+  sc.acc.assign(R4 * D, 0.f);
+  sc.mx.assign(R4, -INFINITY);
+  sc.sum.assign(R4, 0.f);
+  float* __restrict kt = sc.kt.data();
+  float* __restrict vt = sc.vt.data();
+  float* __restrict qf = sc.q.data();
+  float* __restrict acc = sc.acc.data();
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t d = 0; d < D; ++d) qf[(i * group + g) * D + d] = load(q + (row0 + i) * q_stride + (head * group + g) * D, d);
+  const int64_t first = prefix + row0, last = prefix + row0 + rows - 1;
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
+  for (int64_t j0 = lo; j0 <= last; j0 += kTileKeys) {
+    const int64_t n = std::min(kTileKeys, last + 1 - j0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t slot = slots[j0 + j];
+      const E* k = k_buffer + (slot * kv_heads + head) * D;
+      const E* v = v_buffer + (slot * kv_heads + head) * D;
+      const float ks = row_scale<E>(k_scale, slot, kv_heads, head), vs = row_scale<E>(v_scale, slot, kv_heads, head);
+      for (int64_t d = 0; d < D; ++d) kt[d * kTileKeys + j] = load(k, d) * ks;
+      for (int64_t d = 0; d < D; ++d) vt[j * D + d] = load(v, d) * vs;
+    }
+    for (int64_t r0 = 0; r0 < R4; r0 += kBlockRows)
+      for (int64_t jb = 0; jb < n; jb += kBlockLanes) tile_scores(qf + r0 * D, kt, D, jb, sc.s.data() + r0 * kTileKeys);
+    for (int64_t r = 0; r < R4; ++r) {
+      float* __restrict s = sc.s.data() + r * kTileKeys;
+      const int64_t pos = first + r / group;
+      // Keys [key_lo, key_hi) of this tile are visible to the row (none to a padding row).
+      const int64_t key_lo = window > 0 ? std::max<int64_t>(0, pos - window + 1 - j0) : 0;
+      const int64_t key_hi = r < R ? std::min(n, pos + 1 - j0) : 0;
+      if (key_hi <= key_lo) {
+        for (int64_t j = 0; j < kTileKeys; ++j) s[j] = 0.f;
+        continue;
+      }
+      // Separate passes, each one the compiler vectorizes (max and sum stay in order).
+      if (logit_cap > 0.f)
+        for (int64_t j = key_lo; j < key_hi; ++j) s[j] = capped(s[j], scale, logit_cap);
+      else
+        for (int64_t j = key_lo; j < key_hi; ++j) s[j] *= scale;
+      float tile_max = -INFINITY;
+      for (int64_t j = key_lo; j < key_hi; ++j) tile_max = s[j] > tile_max ? s[j] : tile_max;
+      const float new_max = std::fmax(sc.mx[r], tile_max);
+      if (new_max > sc.mx[r] && sc.mx[r] != -INFINITY) {
+        const float shrink = exp_nonpositive(sc.mx[r] - new_max);
+        sc.sum[r] *= shrink;
+        for (int64_t d = 0; d < D; ++d) acc[r * D + d] *= shrink;
+      }
+      sc.mx[r] = new_max;
+      for (int64_t j = key_lo; j < key_hi; ++j) s[j] = exp_nonpositive(s[j] - new_max);
+      for (int64_t j = 0; j < key_lo; ++j) s[j] = 0.f;
+      for (int64_t j = key_hi; j < kTileKeys; ++j) s[j] = 0.f;
+      float tile_sum = 0.f;
+      for (int64_t j = key_lo; j < key_hi; ++j) tile_sum += s[j];
+      sc.sum[r] += tile_sum;
+    }
+    for (int64_t r0 = 0; r0 < R4; r0 += kBlockRows) {
+      const float* p = sc.s.data() + r0 * kTileKeys;
+      for (int64_t d0 = 0; d0 < D16; d0 += kBlockLanes) tile_values(p, vt, n, D, d0, acc + r0 * D);
+      for (int64_t r = r0; r < r0 + kBlockRows; ++r)  // head_dim past a multiple of 16
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t d = D16; d < D; ++d) acc[r * D + d] = std::fma(sc.s[r * kTileKeys + j], vt[j * D + d], acc[r * D + d]);
+    }
+  }
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = i * group + g;
+      const float inv = 1.f / sc.sum[r];
+      T* o = out + (row0 + i) * out_stride + (head * group + g) * D;
+      for (int64_t d = 0; d < D; ++d) store(o, d, acc[r * D + d] * inv);
+    }
+}
+
+// Every request's new tokens in blocks of `kTileRows`, each block and KV head one work item.
+template <typename T, typename E>
+void extend_attention_tiled(const T* q, int64_t q_stride, const E* k_buffer, const E* v_buffer,
+                            const uint16_t* k_scale, const uint16_t* v_scale, const int32_t* req_to_token,
+                            int64_t req_to_token_stride, const int64_t* req_pool_indices, const int64_t* seq_lens,
+                            const int64_t* extend_lens, const int64_t* extend_starts, int64_t batch, int64_t q_heads,
+                            int64_t kv_heads, int64_t head_dim, float scale, int64_t window, float logit_cap, T* out,
+                            int64_t out_stride) {
+  const int64_t group = q_heads / kv_heads;
+  std::vector<std::pair<int64_t, int64_t>> blocks;  // (request, first new token)
+  int64_t work = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t r = 0; r < extend_lens[b]; r += kTileRows) blocks.emplace_back(b, r);
+    work += extend_lens[b] * seq_lens[b];
+  }
+  const int64_t items = static_cast<int64_t>(blocks.size()) * kv_heads;
+#pragma omp parallel if (work * q_heads * head_dim >= kParallelWork && items > 1)
+  {
+    ExtendScratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      const auto [b, row0] = blocks[item / kv_heads];
+      const int64_t head = item % kv_heads;
+      const int64_t rows = std::min(kTileRows, extend_lens[b] - row0);
+      extend_tile_block(q + extend_starts[b] * q_stride, q_stride, k_buffer, v_buffer, k_scale, v_scale,
+                        req_to_token + req_pool_indices[b] * req_to_token_stride, seq_lens[b] - extend_lens[b],
+                        row0, rows, kv_heads, head, group, head_dim, scale, window, logit_cap,
+                        out + extend_starts[b] * out_stride, out_stride, scratch);
+    }
+  }
+}
+
+// `extend_attention_tiled` with q / out of type T over a pool of KV code `kv_dtype`
+// (as `decode_attention_kv`).
+template <typename T>
+void extend_attention_kv(int kv_dtype, const T* q, int64_t q_stride, const void* k_buffer, const void* v_buffer,
+                         const uint16_t* k_scale, const uint16_t* v_scale, const int32_t* req_to_token,
+                         int64_t req_to_token_stride, const int64_t* req_pool_indices, const int64_t* seq_lens,
+                         const int64_t* extend_lens, const int64_t* extend_starts, int64_t batch, int64_t q_heads,
+                         int64_t kv_heads, int64_t head_dim, float scale, int64_t window, float logit_cap, T* out,
+                         int64_t out_stride) {
+  const auto run = [&](auto* element) {
+    using E = std::remove_pointer_t<decltype(element)>;
+    extend_attention_tiled(q, q_stride, static_cast<const E*>(k_buffer), static_cast<const E*>(v_buffer), k_scale,
+                           v_scale, req_to_token, req_to_token_stride, req_pool_indices, seq_lens, extend_lens,
+                           extend_starts, batch, q_heads, kv_heads, head_dim, scale, window, logit_cap, out,
+                           out_stride);
+  };
+  switch (kv_dtype) {
+    case 2: return run(static_cast<Fp8E4M3*>(nullptr));
+    case 3: return run(static_cast<Fp8E5M2*>(nullptr));
+    case 4: return run(static_cast<int8_t*>(nullptr));
+    default: return run(static_cast<T*>(nullptr));
+  }
+}
+
 #if defined(ARBORLM_AMX)
 // ---- bf16 linear layer on AMX tiles ----------------------------------------
 //
@@ -954,7 +1216,7 @@ void extend_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* 
 
 extern "C" {
 
-int arborlm_abi_version() { return 4; }
+int arborlm_abi_version() { return 5; }
 
 // out = rms_norm(x) * weight, or with `residual` non-null: residual += x, then
 // out = rms_norm(residual) * weight (`residual` updated in place).
@@ -1022,6 +1284,30 @@ void arborlm_decode_attention(int dtype, int kv_dtype, const void* q, int64_t q_
     decode_attention_kv(kv_dtype, static_cast<const uint16_t*>(q), q_stride, k_buffer, v_buffer, ks, vs,
                         req_to_token, req_to_token_stride, req_pool_indices, seq_lens, batch, q_heads, kv_heads,
                         head_dim, scale, window, logit_cap, static_cast<uint16_t*>(out), out_stride);
+}
+
+// Extend attention (`reference.extend_attention`'s semantics) of q / out in `dtype`
+// (0 float32, 1 bfloat16) over a pool of KV code `kv_dtype` (as `arborlm_decode_attention`,
+// int8 with its fp16 `k_scale` / `v_scale`), K/V read in place in tiles. The new tokens'
+// K/V are already stored; extend_starts: each request's first row of q.
+void arborlm_extend_attention(int dtype, int kv_dtype, const void* q, int64_t q_stride, const void* k_buffer,
+                              const void* v_buffer, const void* k_scale, const void* v_scale,
+                              const int32_t* req_to_token, int64_t req_to_token_stride,
+                              const int64_t* req_pool_indices, const int64_t* seq_lens, const int64_t* extend_lens,
+                              const int64_t* extend_starts, int64_t batch, int64_t q_heads, int64_t kv_heads,
+                              int64_t head_dim, float scale, int64_t window, float logit_cap, void* out,
+                              int64_t out_stride) {
+  const auto* ks = static_cast<const uint16_t*>(k_scale);
+  const auto* vs = static_cast<const uint16_t*>(v_scale);
+  if (dtype == 0)
+    extend_attention_kv(kv_dtype, static_cast<const float*>(q), q_stride, k_buffer, v_buffer, ks, vs, req_to_token,
+                        req_to_token_stride, req_pool_indices, seq_lens, extend_lens, extend_starts, batch, q_heads,
+                        kv_heads, head_dim, scale, window, logit_cap, static_cast<float*>(out), out_stride);
+  else
+    extend_attention_kv(kv_dtype, static_cast<const uint16_t*>(q), q_stride, k_buffer, v_buffer, ks, vs,
+                        req_to_token, req_to_token_stride, req_pool_indices, seq_lens, extend_lens, extend_starts,
+                        batch, q_heads, kv_heads, head_dim, scale, window, logit_cap, static_cast<uint16_t*>(out),
+                        out_stride);
 }
 
 // `store_kv_int8` for the new K and V of `tokens` tokens (q's dtype `dtype`: 0 float32,

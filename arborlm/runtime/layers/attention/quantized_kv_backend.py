@@ -1,18 +1,18 @@
 """Attention over a KV pool stored in one byte per value (`kv_cache_dtype` fp8_e5m2 / fp8_e4m3 /
 int8 with per-token, per-head scales).
 
-The pool (`radix_cache/memory_pool.py`) stores K/V in one byte per value. DECODE
-steps on the CPU read it in place: the C++ decode kernel (`NativeLayerOps.decode_attention`)
-widens each K/V row in registers as it streams it (and folds an int8 row's scale into
-its score and its probability), so a step reads half the bytes of a bf16 pool. That is
-how SGLang's and vLLM's fp8 KV caches work on the GPU (a plain cast on store, the
-upcast inside the attention kernel). EXTEND steps, and decode where the native kernels
-are not there, read a compact upcast copy: per step `init_forward_metadata` lists the
-pool slots of every request's positions `[0, seq_len)` (padded to the longest request,
-slot 0 past a request's end) and a compact `req_to_token` that numbers them 0, 1, ...
-request by request; per layer the listed slots are read upcast (`TokenToKVPool.read_kv`)
-and `kernels/reference.py` attends over that copy. An extend step is bound by its
-matrix products, not by reading K/V once.
+The pool (`radix_cache/memory_pool.py`) stores K/V in one byte per value. On the CPU
+the C++ kernels read it in place: DECODE steps through `NativeLayerOps.decode_attention`
+(each K/V row widened in registers as it streams; an int8 row's scale folded into its
+score and probability), EXTEND steps through `NativeLayerOps.extend_attention_tiled`
+(each tile of 64 keys widened once into L1 and used by every new token of a block), so
+no step copies the context. That is how SGLang's and vLLM's fp8 KV caches work on the
+GPU (a plain cast on store, the upcast inside the attention kernel). Without the native
+kernels (another device) a step reads a compact upcast copy: `init_forward_metadata`
+lists the pool slots of every request's positions `[0, seq_len)` (padded to the longest
+request, slot 0 past a request's end) and a compact `req_to_token` that numbers them
+0, 1, ... request by request; per layer the listed slots are read upcast
+(`TokenToKVPool.read_kv`) and `kernels/reference.py` attends over that copy.
 """
 
 from __future__ import annotations
@@ -25,7 +25,10 @@ from arborlm.kernels import reference
 from arborlm.kernels.cpu_ops import NativeLayerOps
 from arborlm.runtime.forward_batch_info import ForwardBatch
 from arborlm.runtime.layers.attention.base import AttentionBackend
-from arborlm.runtime.layers.attention.torch_native_backend import NativeDecodeMetadata
+from arborlm.runtime.layers.attention.torch_native_backend import (
+    NativeDecodeMetadata,
+    NativeExtendMetadata,
+)
 
 
 @dataclass
@@ -59,12 +62,12 @@ def compact_kv_metadata(forward_batch: ForwardBatch) -> CompactKVMetadata:
 
 
 class QuantizedKVAttentionBackend(AttentionBackend):
-    """Any step over a one-byte KV pool: store cast, attend in place (decode, native
-    kernels) or over an upcast copy (module docstring).
+    """Any step over a one-byte KV pool: store cast, attend in place (native kernels)
+    or over an upcast copy (module docstring).
 
     Parameters
     ----------
-    native: the C++ CPU kernels (decode steps), or None for `kernels/reference.py` only.
+    native: the C++ CPU kernels, or None for `kernels/reference.py` only.
     """
 
     def __init__(self, native: NativeLayerOps | None = None):
@@ -87,6 +90,15 @@ class QuantizedKVAttentionBackend(AttentionBackend):
                 forward_batch.out_cache_loc.to(torch.int64).contiguous(),
             )
             return
+        if self.native is not None and forward_batch.forward_mode.is_extend():
+            extend_seq_lens = forward_batch.extend_seq_lens.to(torch.int64)
+            forward_batch.attn_metadata = NativeExtendMetadata(
+                forward_batch.req_pool_indices.to(torch.int64).contiguous(),
+                forward_batch.seq_lens.to(torch.int64).contiguous(),
+                extend_seq_lens.contiguous(),
+                (torch.cumsum(extend_seq_lens, 0) - extend_seq_lens).contiguous(),
+            )
+            return
         forward_batch.attn_metadata = compact_kv_metadata(forward_batch)
 
     def forward(self, q, k, v, layer_id, forward_batch, scale, sliding_window=None, logit_cap=0.0):
@@ -95,6 +107,11 @@ class QuantizedKVAttentionBackend(AttentionBackend):
         meta = forward_batch.attn_metadata
         if isinstance(meta, NativeDecodeMetadata):
             out = self._decode_in_place(q, layer_id, forward_batch, meta, scale, sliding_window, logit_cap)
+            if out is not None:
+                return out
+            meta = forward_batch.attn_metadata = compact_kv_metadata(forward_batch)
+        if isinstance(meta, NativeExtendMetadata):
+            out = self._extend_in_place(q, layer_id, forward_batch, meta, scale, sliding_window, logit_cap)
             if out is not None:
                 return out
             meta = forward_batch.attn_metadata = compact_kv_metadata(forward_batch)
@@ -123,4 +140,20 @@ class QuantizedKVAttentionBackend(AttentionBackend):
         return self.native.decode_attention(
             q, k_buffer, v_buffer, req_to_token, meta.req_pool_indices, meta.seq_lens,
             scale, sliding_window, logit_cap, check=False, kv_scales=scales,
+        )
+
+    def _extend_in_place(self, q, layer_id, forward_batch, meta: NativeExtendMetadata, scale, sliding_window,
+                         logit_cap) -> torch.Tensor | None:
+        """The EXTEND step through the tiled C++ kernel over the one-byte pool (K/V already
+        stored); None where it does not take these tensors."""
+        pool = forward_batch.token_to_kv_pool
+        k_buffer, v_buffer = pool.get_kv_buffer(layer_id)
+        scales = pool.get_kv_scales(layer_id)
+        req_to_token = forward_batch.req_to_token_pool.req_to_token
+        if not (meta.checked or self.native.can_decode(q, k_buffer, v_buffer, req_to_token, kv_scales=scales)):
+            return None
+        meta.checked = True
+        return self.native.extend_attention_tiled(
+            q, k_buffer, v_buffer, req_to_token, meta.req_pool_indices, meta.seq_lens, meta.extend_seq_lens,
+            meta.extend_start_loc, scale, sliding_window, logit_cap, kv_scales=scales, check=False,
         )
