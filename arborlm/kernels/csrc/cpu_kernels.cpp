@@ -735,6 +735,38 @@ inline void tile_values(const float* __restrict p, const float* __restrict vt, i
 #endif
 }
 
+// Max and sum of s[lo, hi) in eight independent lanes (a single running max or sum is
+// a chain of dependent operations: it took as long as the tile's products).
+inline float range_max(const float* s, int64_t lo, int64_t hi) {
+  float m = -INFINITY;
+  int64_t j = lo;
+#if defined(__AVX2__)
+  if (hi - lo >= 8) {
+    __m256 lanes = _mm256_loadu_ps(s + j);
+    for (j += 8; j + 8 <= hi; j += 8) lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(s + j));
+    alignas(32) float part[8];
+    _mm256_store_ps(part, lanes);
+    for (float v : part) m = v > m ? v : m;
+  }
+#endif
+  for (; j < hi; ++j) m = s[j] > m ? s[j] : m;
+  return m;
+}
+
+inline float range_sum(const float* s, int64_t lo, int64_t hi) {
+  float total = 0.f;
+  int64_t j = lo;
+#if defined(__AVX2__)
+  __m256 lanes = _mm256_setzero_ps();
+  for (; j + 8 <= hi; j += 8) lanes = _mm256_add_ps(lanes, _mm256_loadu_ps(s + j));
+  alignas(32) float part[8];
+  _mm256_store_ps(part, lanes);
+  for (float v : part) total += v;
+#endif
+  for (; j < hi; ++j) total += s[j];
+  return total;
+}
+
 // Scratch of one thread for `extend_tile_block`: the widened K tile (head_dim x keys,
 // transposed), the V tile (keys x head_dim), query rows, the tile's scores / probabilities,
 // and per query row its accumulator, running max and running sum.
@@ -793,14 +825,12 @@ void extend_tile_block(const T* q, int64_t q_stride, const E* k_buffer, const E*
         for (int64_t j = 0; j < kTileKeys; ++j) s[j] = 0.f;
         continue;
       }
-      // Separate passes, each one the compiler vectorizes (max and sum stay in order).
+      // Separate passes over the visible keys, each one vectorized.
       if (logit_cap > 0.f)
         for (int64_t j = key_lo; j < key_hi; ++j) s[j] = capped(s[j], scale, logit_cap);
       else
         for (int64_t j = key_lo; j < key_hi; ++j) s[j] *= scale;
-      float tile_max = -INFINITY;
-      for (int64_t j = key_lo; j < key_hi; ++j) tile_max = s[j] > tile_max ? s[j] : tile_max;
-      const float new_max = std::fmax(sc.mx[r], tile_max);
+      const float new_max = std::fmax(sc.mx[r], range_max(s, key_lo, key_hi));
       if (new_max > sc.mx[r] && sc.mx[r] != -INFINITY) {
         const float shrink = exp_nonpositive(sc.mx[r] - new_max);
         sc.sum[r] *= shrink;
@@ -810,9 +840,7 @@ void extend_tile_block(const T* q, int64_t q_stride, const E* k_buffer, const E*
       for (int64_t j = key_lo; j < key_hi; ++j) s[j] = exp_nonpositive(s[j] - new_max);
       for (int64_t j = 0; j < key_lo; ++j) s[j] = 0.f;
       for (int64_t j = key_hi; j < kTileKeys; ++j) s[j] = 0.f;
-      float tile_sum = 0.f;
-      for (int64_t j = key_lo; j < key_hi; ++j) tile_sum += s[j];
-      sc.sum[r] += tile_sum;
+      sc.sum[r] += range_sum(s, key_lo, key_hi);
     }
     for (int64_t r0 = 0; r0 < R4; r0 += kBlockRows) {
       const float* p = sc.s.data() + r0 * kTileKeys;
