@@ -16,7 +16,8 @@ where the library cannot be built, and the oracle. On CUDA, `TritonQuantOps` run
 the Q8_0 / Q4_0 / Q4_1 linears through `triton_quant_linear.py` (dequantized in
 the kernel) and the rest the torch way. The library is compiled like
 `cpu_ops`'s (`g++ -O3 -march=native -fopenmp`, keyed by source, flags and CPU;
-its AVX-512 VNNI loops where the compiler targets them, scalar loops elsewhere)
+its AVX-512 VNNI loops where the compiler targets them, else AVX2 + FMA loops, else
+scalar ones)
 and called through ctypes.
 """
 
@@ -41,6 +42,8 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "quant_layout.h", CSRC / "quant_linear.cpp", CSRC / "quant_dequant.cpp")
 ABI_VERSION = 2
+# `arborlm_quant_simd`'s codes.
+SIMD_NAMES = {0: "scalar", 1: "avx512_vnni", 2: "avx2"}
 # Rows up to which the int8 kernel runs; more rows dequantize the weight and take
 # oneDNN's bf16 GEMM (see docs/benchmarks.md, "Quantized weights").
 INT8_MAX_ROWS = 64
@@ -122,13 +125,16 @@ class QuantOps:
 
 class NativeQuantOps(QuantOps):
     """`QuantOps` through the C++ kernels; inputs they do not take (not CPU, another
-    dtype, strided rows) go the torch way."""
+    dtype, strided rows) go the torch way.
+
+    `simd`: which loops the library's decode kernel runs, "avx512_vnni", "avx2" or
+    "scalar" (what the compiler targeted for this CPU)."""
 
     native = True
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
-        self.simd = bool(lib.arborlm_quant_simd())
+        self.simd = SIMD_NAMES[lib.arborlm_quant_simd()]
 
     def prepare(self, weights):
         stacked = StackedWeights(weights)

@@ -13,8 +13,8 @@ then packed with `pack_ggml_blocks`. Oracles:
 - the float matmul over the dequantized weight: the decode kernel within the noise
   of int8 activations (`int8_noise`).
 
-The C++ library is built twice per module, as `quant_ops` builds it and with
-AVX-512 off (the scalar loops), as `test_cpu_ops` does. Widths are whole blocks (32;
+The C++ library is built three times per module: as `quant_ops` builds it, with
+AVX-512 off (the AVX2 loops) and with AVX2 off too (the scalar loops). Widths are whole blocks (32;
 256 for K-quants, ggml's rule); output widths and row counts are odd where the layout
 has tiles of 16 rows, and 65 rows cross into the prefill path.
 """
@@ -38,7 +38,8 @@ GGML_TYPES = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1, "q4_k": T.Q4_K, "q
 K_QUANTS = ("q4_k", "q5_k", "q6_k")
 # Byte offsets of the fp16 scales in a K-quant block (random bytes elsewhere).
 K_SCALE_BYTES = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
-BUILDS = {"native": (), "no-avx512": ("-mno-avx512f",)}
+# native: what this CPU takes; no-avx512: the AVX2 loops (on a CPU with AVX2); scalar: neither.
+BUILDS = {"native": (), "no-avx512": ("-mno-avx512f",), "scalar": ("-mno-avx512f", "-mno-avx2")}
 # (out_features, blocks of the format per row): tiles of 16 rows cut at odd places.
 SHAPES = [(1, 1), (7, 3), (33, 18), (40, 48)]
 CASES = [(fmt, (n, blocks * (256 if fmt in K_QUANTS else 32))) for fmt in GGML_TYPES for n, blocks in SHAPES
@@ -57,7 +58,9 @@ def native_ops(request, compiler, tmp_path_factory) -> NativeQuantOps:
         lib = quant_ops.load_library(tmp_path_factory.mktemp(f"quant-{request.param}"))
     ops = NativeQuantOps(lib)
     if request.param == "no-avx512":
-        assert not ops.simd
+        assert ops.simd in ("avx2", "scalar")
+    if request.param == "scalar":
+        assert ops.simd == "scalar"
     return ops
 
 
@@ -220,3 +223,30 @@ def test_formats_table_matches_gguf():
     for fmt, qtype in GGML_TYPES.items():
         f = QUANT_FORMATS[fmt]
         assert gguf.GGML_QUANT_SIZES[qtype] == (f.ggml_block_values, f.ggml_block_bytes)
+
+
+@pytest.mark.parametrize("fmt", list(GGML_TYPES))
+def test_largest_products_do_not_saturate(native_ops, fmt):
+    """Every quant at its format's extreme and activations at +-127 of matching signs: each
+    pair of products is the largest the int16 sums of the AVX2 loops see (`chunks_per_i16`);
+    the kernel still equals the int8 oracle."""
+    in_features = width(fmt, 2)
+    if fmt == "q8_0":  # quants +-127 (and -128 in a hand-made block), signs alternating per block
+        w = np.ones((16, in_features), dtype=np.float32)
+        w[:, 32:64] = -1
+        raw = gguf.quants.quantize(w, T.Q8_0).reshape(16, -1, 34)
+        raw[0, 0, 2:] = np.uint8(0x80)  # -128: |w| is 128 for the sign trick
+        raw = raw.reshape(16, -1)
+    else:
+        block, size = gguf.GGML_QUANT_SIZES[GGML_TYPES[fmt]]
+        raw = np.full((16, in_features // block, size), 0xFF, dtype=np.uint8)  # every quant bit set
+        for at in {**K_SCALE_BYTES, "q4_0": (0,), "q4_1": (0, 2)}[fmt]:  # the block's fp16 scales
+            raw[:, :, at:at + 2] = np.array([0.01], dtype=np.float16).view(np.uint8)
+        raw = raw.reshape(16, -1)
+    weight = pack_ggml_blocks(fmt, torch.from_numpy(raw), in_features)
+    x = torch.full((3, in_features), 2.0)
+    x[1] = -2.0
+    x[2, 32:64] = -2.0
+    want = quant_reference.int8_linear(x, weight)
+    got = native_ops.linear(x, native_ops.prepare([weight]))
+    assert rel_err(got, want) < 1e-5

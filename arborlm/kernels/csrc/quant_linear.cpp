@@ -20,8 +20,11 @@
 //
 // OpenMP splits the row tiles; each thread streams its tiles' weights once per
 // call, unpacking each block into registers once for up to kRowsPerPass
-// activation rows (decode batches fit in L2). Builds without AVX-512 VNNI run
-// the same sums in scalar code.
+// activation rows (decode batches fit in L2). Builds without AVX-512 VNNI but with
+// AVX2 take the same integer sums in 8-row halves of each tile, llama.cpp's AVX2 way
+// (`vpmaddubsw` pairs of uint8 x int8 products into int16, then `vpmaddwd` into int32;
+// Q8_0's signed weights through the sign trick so that no pair saturates); others
+// run them in scalar code.
 // Plain C ABI over raw pointers, called through ctypes (`kernels/quant_ops.py`).
 
 #include <algorithm>
@@ -34,6 +37,9 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define ARBORLM_QUANT_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define ARBORLM_QUANT_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -229,6 +235,181 @@ void run_tile(const Weight& w, int64_t t, int64_t nb, const Activations& a, int6
     store_tile(acc[r], bias, t * kTile, N - t * kTile, row, dtype);
   }
 }
+#elif defined(ARBORLM_QUANT_AVX2)
+// ---- AVX2: each 16-row tile as two halves of 8 rows, one per 32-bit lane --------
+//
+// A block's chunk c of 64 bytes (values 4c..4c+3 of rows 0-15, `quant_byte_offset`) is
+// two 32-byte halves, rows 0-7 and 8-15. `vpmaddubsw` (uint8 weight x int8 activation,
+// adjacent pairs summed into int16) saturates past 32767: a pair of 4-bit quants is at
+// most 2 x 15 x 127, so several chunks add up in int16 before `vpmaddwd` widens them
+// (`chunks_per_i16`); Q8_0's quants are taken signed (stored + 128 ^ 0x80) as
+// |w| x sign(a, w), at most 2 x 128 x 127 per pair. The integer sums equal the
+// AVX-512 loops' exactly; scales and the float accumulation are the same operations.
+
+inline __m256 load_f16x8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256 load_u8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline __m256 load_i8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Byte i of the result is 0xff where bit i of `bits` is set.
+inline __m256i byte_mask(uint32_t bits) {
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                                          3, 3, 3, 3, 3, 3);
+  const __m256i select = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)), spread);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(v, select), select);
+}
+
+// Chunks (of 4 values) whose `vpmaddubsw` pairs add up in int16 without saturating.
+constexpr int chunks_per_i16(int fmt) {
+  return fmt == kQ8_0 ? 1 : fmt == kQ6_K ? 2 : 4;  // pairs of at most 2*128*127, 2*63*127, 2*31*127
+}
+
+// Half `half` (rows 8 half .. 8 half + 7) of block blk's quants: chunk c in wq[c] and, for
+// 4-bit formats, wq[c + 4] (values 16 + 4c..), uint8 with the offset not removed; Q8_0's
+// signed.
+template <int F>
+inline void unpack_half(const Weight& w, int64_t blk, int half, __m256i* wq) {
+  const uint8_t* q = w.q + blk * kTile * block_bytes(F) + 32 * half;
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  for (int c = 0; c < (F == kQ8_0 ? 8 : 4); ++c) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + c * 64));
+    if constexpr (F == kQ8_0) {
+      wq[c] = _mm256_xor_si256(raw, _mm256_set1_epi8(static_cast<char>(0x80)));
+    } else {
+      wq[c] = _mm256_and_si256(raw, low);
+      wq[c + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    }
+  }
+  for (int p = 0; p < high_planes(F); ++p) {
+    const uint64_t* masks = reinterpret_cast<const uint64_t*>(w.h) + (blk * high_planes(F) + p) * 8;
+    const __m256i bit = _mm256_set1_epi8(static_cast<char>(16 << p));
+    for (int j = 0; j < 8; ++j) {  // j = 2 chunk + half of the values
+      uint64_t mask;
+      std::memcpy(&mask, masks + j, 8);
+      __m256i& v = wq[j / 2 + 4 * (j % 2)];
+      v = _mm256_add_epi8(v, _mm256_and_si256(byte_mask(static_cast<uint32_t>(mask >> (32 * half))), bit));
+    }
+  }
+}
+
+struct BlockScales8 {
+  __m256 d[2];
+  __m256 min;
+};
+
+template <int F>
+inline BlockScales8 block_scales_half(const Weight& w, int64_t t, int64_t nb, int64_t b, int half, const __m256& dsup,
+                                      const __m256& msup) {
+  const int64_t blk = t * nb + b, at = 8 * half;
+  BlockScales8 s;
+  s.min = _mm256_setzero_ps();
+  if constexpr (F == kQ6_K) {
+    s.d[0] = _mm256_mul_ps(dsup, load_i8x8(w.sc + (2 * blk) * kTile + at));
+    s.d[1] = _mm256_mul_ps(dsup, load_i8x8(w.sc + (2 * blk + 1) * kTile + at));
+    return s;
+  } else if constexpr (is_k_quant(F)) {
+    s.d[0] = s.d[1] = _mm256_mul_ps(dsup, load_u8x8(w.sc + blk * kTile + at));
+    s.min = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(msup, load_u8x8(w.sm + blk * kTile + at)));
+  } else {
+    s.d[0] = s.d[1] = load_f16x8(w.d + blk * kTile + at);
+    if constexpr (F == kQ4_1) s.min = load_f16x8(w.m + blk * kTile + at);
+  }
+  return s;
+}
+
+// Sum over chunks [c0, c0 + n) of the 4-value dot products, per row lane (int32).
+template <int F>
+inline __m256i chunk_dots(const __m256i* wq, const int8_t* x, int c0, int n) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i total = _mm256_setzero_si256();
+  for (int g = c0; g < c0 + n; g += chunks_per_i16(F)) {
+    __m256i pairs = _mm256_setzero_si256();
+    for (int c = g; c < g + chunks_per_i16(F); ++c) {
+      const __m256i xa = _mm256_set1_epi32(load_i32(x + 4 * c));
+      if constexpr (F == kQ8_0) {
+        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(_mm256_sign_epi8(wq[c], wq[c]), _mm256_sign_epi8(xa, wq[c])));
+      } else {
+        pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(wq[c], xa));
+      }
+    }
+    total = _mm256_add_epi32(total, _mm256_madd_epi16(pairs, ones));
+  }
+  return total;
+}
+
+// One half tile (8 rows) x R activation rows: acc[r] lane l = y[m0 + r, 16 t + 8 half + l].
+template <int F, int R>
+void half_tile_rows(const Weight& w, int64_t t, int64_t nb, const Activations& a, int64_t K, int64_t m0, int half,
+                    __m256* acc) {
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 dsup = _mm256_setzero_ps(), msup = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    if constexpr (is_k_quant(F)) {
+      if (b % kSuper == 0) {
+        const int64_t sup = t * (nb / kSuper) + b / kSuper;
+        dsup = load_f16x8(w.d + sup * kTile + 8 * half);
+        if constexpr (F != kQ6_K) msup = load_f16x8(w.m + sup * kTile + 8 * half);
+      }
+    }
+    __m256i wq[8];
+    unpack_half<F>(w, t * nb + b, half, wq);
+    const BlockScales8 sc = block_scales_half<F>(w, t, nb, b, half, dsup, msup);
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const int8_t* x = a.q + m * K + b * kBlock;
+      const int32_t* s = a.s + (m * nb + b) * 2;
+      const __m256 da = _mm256_set1_ps(a.d[m * nb + b]);
+      // Q8_0's products are signed already: no offset to take off.
+      constexpr int32_t offset = F == kQ8_0 ? 0 : quant_offset(F);
+      if constexpr (F == kQ6_K) {  // two scales: each half of the values on its own
+        for (int h = 0; h < 2; ++h) {
+          const __m256i q = _mm256_sub_epi32(chunk_dots<F>(wq, x, 4 * h, 4), _mm256_set1_epi32(offset * s[h]));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(sc.d[h], da), acc[r]);
+        }
+      } else {
+        __m256i q = _mm256_add_epi32(chunk_dots<F>(wq, x, 0, 4), chunk_dots<F>(wq, x, 4, 4));
+        if constexpr (offset != 0) q = _mm256_sub_epi32(q, _mm256_set1_epi32(offset * (s[0] + s[1])));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(sc.d[0], da), acc[r]);
+        if constexpr (F == kQ4_1 || F == kQ4_K || F == kQ5_K) {
+          acc[r] = _mm256_fmadd_ps(sc.min, _mm256_mul_ps(da, _mm256_set1_ps(static_cast<float>(s[0] + s[1]))), acc[r]);
+        }
+      }
+    }
+  }
+}
+
+template <int F, int R>
+void run_tile(const Weight& w, int64_t t, int64_t nb, const Activations& a, int64_t K, int64_t m0, int64_t N,
+              const void* bias, void* out, int64_t ldo, int dtype) {
+  for (int half = 0; half < 2; ++half) {
+    const int64_t n0 = t * kTile + 8 * half, cols = std::min<int64_t>(8, N - n0);
+    if (cols <= 0) return;
+    __m256 acc[R];
+    half_tile_rows<F, R>(w, t, nb, a, K, m0, half, acc);
+    for (int r = 0; r < R; ++r) {
+      alignas(32) float y[8];
+      _mm256_store_ps(y, acc[r]);
+      for (int64_t l = 0; l < cols; ++l) {
+        const float bn = bias == nullptr ? 0.0f : load_value(bias, dtype, n0 + l);
+        store_value(out, dtype, (m0 + r) * ldo + n0 + l, y[l] + bn);
+      }
+    }
+  }
+}
 #else
 // The same sums in scalar code, one output at a time.
 template <int F>
@@ -322,10 +503,12 @@ extern "C" {
 
 int arborlm_quant_abi_version() { return 2; }
 
-// 1 when this build runs the AVX-512 VNNI loops, 0 for the scalar ones.
+// 1 when this build runs the AVX-512 VNNI loops, 2 the AVX2 ones, 0 the scalar ones.
 int arborlm_quant_simd() {
 #if defined(ARBORLM_QUANT_AVX512)
   return 1;
+#elif defined(ARBORLM_QUANT_AVX2)
+  return 2;
 #else
   return 0;
 #endif
