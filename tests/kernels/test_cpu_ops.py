@@ -1,9 +1,9 @@
 """The native CPU kernels (`cpu_ops.NativeLayerOps`) against their torch oracles.
 
-The library is compiled once per module into pytest's temporary folder, twice: as
-`layer_ops` builds it (`-march=native`, the AVX-512 loops where the CPU has them)
-and with AVX-512 turned off, so the scalar code that non-AVX-512 machines run is
-tested too. Row lengths that are not multiples of 16 run each loop's scalar tail;
+The library is compiled once per module into pytest's temporary folder, three times:
+as `layer_ops` builds it (`-march=native`, the AVX-512 loops where the CPU has them),
+with AVX-512 turned off (the AVX2 loops that CPUs without AVX-512 run, where this one
+has AVX2), and with AVX2 and FMA off too (the scalar code). Row lengths that are not multiples of 16 run each loop's scalar tail;
 the large cases cross the kernels' OpenMP threshold (2**15 elements).
 
 Oracles: `LayerOps` (plain torch) for the elementwise groups and
@@ -26,7 +26,8 @@ from arborlm.kernels.cpu_ops import LayerOps, NativeLayerOps, RotaryStep
 
 EPS = 1e-6
 BF16_RTOL = 1 / 128  # one bfloat16 ulp relative to the value
-BUILDS = {"native": (), "no-avx512": ("-mno-avx512f",)}
+# native: what this CPU takes; no-avx512: the AVX2 loops (on a CPU with AVX2); scalar: neither.
+BUILDS = {"native": (), "no-avx512": ("-mno-avx512f",), "scalar": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
 DTYPES = [torch.float32, torch.bfloat16]
 DIMS = [7, 33, 100, 576]  # 576 = 36 vectors of 16; the others end in a scalar tail
 ROWS = [1, 2048]  # 2048 rows cross the OpenMP threshold at every dim but 7
@@ -683,21 +684,6 @@ def extend_case(prefix_lens, extend_lens, num_kv_heads, group, head_dim, dtype, 
             torch.cumsum(extend, 0) - extend)
 
 
-# The tiled extend kernel's register blocks are AVX2 + FMA intrinsics (on AVX-512 CPUs too)
-# with a plain C++ fallback: the "scalar" build runs that.
-EXTEND_BUILDS = {**BUILDS, "scalar": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
-
-
-@pytest.fixture(scope="module", params=list(EXTEND_BUILDS))
-def extend_ops(request, compiler, tmp_path_factory) -> NativeLayerOps:
-    """`NativeLayerOps` over the library built for each entry of `EXTEND_BUILDS`."""
-    if EXTEND_BUILDS[request.param] and platform.machine().lower() not in ("x86_64", "amd64"):
-        pytest.skip(f"the {request.param} build passes x86-only flags; this machine is {platform.machine()}")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_ops, "CXX_FLAGS", cpu_ops.CXX_FLAGS + EXTEND_BUILDS[request.param])
-        return NativeLayerOps(cpu_ops.load_library(tmp_path_factory.mktemp(f"extend-{request.param}")))
-
-
 # New tokens from 1 to past two row blocks (16) and key tiles (64), after cached prefixes of
 # 0 to past a tile.
 EXTEND_PREFIXES, EXTEND_LENS = [0, 37, 100, 63, 5], [70, 5, 1, 130, 16]
@@ -708,7 +694,7 @@ EXTEND_PREFIXES, EXTEND_LENS = [0, 37, 100, 63, 5], [70, 5, 1, 130, 16]
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("kv_dtype", [None, *ONE_BYTE], ids=str)  # None: a pool of q's dtype
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_extend_attention_tiled_equals_the_oracle(extend_ops, dtype, kv_dtype, group, head_dim, sliding_window, logit_cap):
+def test_extend_attention_tiled_equals_the_oracle(ops, dtype, kv_dtype, group, head_dim, sliding_window, logit_cap):
     """K/V read in place (one-byte pools widened per tile): equals `reference.extend_attention`
     over the widened float32 values, float32 within rounding, bf16 within one ulp."""
     q, k_buffer, v_buffer, req_to_token, rpi, lens, prefix, extend, start = extend_case(
@@ -718,7 +704,7 @@ def test_extend_attention_tiled_equals_the_oracle(extend_ops, dtype, kv_dtype, g
     else:
         (k_pool, k_scale, k_wide), (v_pool, v_scale, v_wide) = (one_byte_pool(b, kv_dtype) for b in (k_buffer, v_buffer))
         scales = None if k_scale is None else (k_scale, v_scale)
-    out = extend_ops.extend_attention_tiled(q, k_pool, v_pool, req_to_token, rpi, lens, extend, start, head_dim**-0.5,
+    out = ops.extend_attention_tiled(q, k_pool, v_pool, req_to_token, rpi, lens, extend, start, head_dim**-0.5,
                                      sliding_window, logit_cap, kv_scales=scales)
     expected = reference.extend_attention(q.float(), k_wide, v_wide, req_to_token, rpi, lens, prefix, extend,
                                           head_dim**-0.5, sliding_window, logit_cap)
@@ -727,7 +713,7 @@ def test_extend_attention_tiled_equals_the_oracle(extend_ops, dtype, kv_dtype, g
 
 
 @pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=str)
-def test_extend_attention_tiled_request_does_not_depend_on_its_batch(extend_ops, kv_dtype):
+def test_extend_attention_tiled_request_does_not_depend_on_its_batch(ops, kv_dtype):
     """A request's rows are the same bits alone and in the batch (work items are one
     request's blocks), so prefill outputs do not depend on what else is scheduled."""
     q, k_buffer, v_buffer, req_to_token, rpi, lens, _, extend, start = extend_case(
@@ -736,19 +722,19 @@ def test_extend_attention_tiled_request_does_not_depend_on_its_batch(extend_ops,
     if kv_dtype is not None:
         (k_buffer, k_scale, _), (v_buffer, v_scale, _) = (one_byte_pool(b, kv_dtype) for b in (k_buffer, v_buffer))
         scales = (k_scale, v_scale)
-    batched = extend_ops.extend_attention_tiled(q, k_buffer, v_buffer, req_to_token, rpi, lens, extend, start, 0.125,
+    batched = ops.extend_attention_tiled(q, k_buffer, v_buffer, req_to_token, rpi, lens, extend, start, 0.125,
                                          kv_scales=scales)
     for i in (0, 3):
         rows = slice(int(start[i]), int(start[i] + extend[i]))
-        alone = extend_ops.extend_attention_tiled(q[rows], k_buffer, v_buffer, req_to_token, rpi[i:i + 1], lens[i:i + 1],
+        alone = ops.extend_attention_tiled(q[rows], k_buffer, v_buffer, req_to_token, rpi[i:i + 1], lens[i:i + 1],
                                            extend[i:i + 1], torch.zeros(1, dtype=torch.int64), 0.125, kv_scales=scales)
         assert torch.equal(alone, batched[rows])
 
 
-def test_extend_attention_tiled_refuses_what_it_does_not_take(extend_ops):
+def test_extend_attention_tiled_refuses_what_it_does_not_take(ops):
     q, k_buffer, v_buffer, req_to_token, rpi, lens, _, extend, start = extend_case([3], [4], 2, 2, 64, torch.float32)
     k8, k_scale, _ = one_byte_pool(k_buffer, torch.int8)
     with pytest.raises(ValueError, match="extend_attention_tiled"):  # an int8 pool without its scales
-        extend_ops.extend_attention_tiled(q, k8, k8, req_to_token, rpi, lens, extend, start, 0.125)
+        ops.extend_attention_tiled(q, k8, k8, req_to_token, rpi, lens, extend, start, 0.125)
     with pytest.raises(ValueError, match="extend_attention_tiled"):  # a float16 pool
-        extend_ops.extend_attention_tiled(q, k_buffer.half(), v_buffer.half(), req_to_token, rpi, lens, extend, start, 0.125)
+        ops.extend_attention_tiled(q, k_buffer.half(), v_buffer.half(), req_to_token, rpi, lens, extend, start, 0.125)

@@ -170,6 +170,61 @@ inline float fast_exp(float x) {
   return std::ldexp(p, static_cast<int>(n));
 }
 
+// exp(x) for x <= 0 (the softmax's shifted scores), as `fast_exp` (Cephes `expf`), in
+// operations a loop of it vectorizes with: floor and the clamp in integers, 2^n built in
+// the exponent bits (below 2^-126 the result is 0).
+inline float exp_nonpositive(float x) {
+  const float y = x * 1.44269504088896341f + 0.5f;
+  int32_t n = static_cast<int32_t>(y);
+  n -= static_cast<int32_t>(static_cast<float>(n) > y);  // truncation to floor
+  n = n < -127 ? -127 : n;
+  const float nf = static_cast<float>(n);
+  const float r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (n + 127) << 23;
+  float pow2;
+  std::memcpy(&pow2, &bits, 4);
+  return p * pow2;
+}
+
+// Max and sum of s[lo, hi) in eight independent lanes (a single running max or sum is
+// a chain of dependent operations: it took as long as the tile's products).
+inline float range_max(const float* s, int64_t lo, int64_t hi) {
+  float m = -INFINITY;
+  int64_t j = lo;
+#if defined(__AVX2__)
+  if (hi - lo >= 8) {
+    __m256 lanes = _mm256_loadu_ps(s + j);
+    for (j += 8; j + 8 <= hi; j += 8) lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(s + j));
+    alignas(32) float part[8];
+    _mm256_store_ps(part, lanes);
+    for (float v : part) m = v > m ? v : m;
+  }
+#endif
+  for (; j < hi; ++j) m = s[j] > m ? s[j] : m;
+  return m;
+}
+
+inline float range_sum(const float* s, int64_t lo, int64_t hi) {
+  float total = 0.f;
+  int64_t j = lo;
+#if defined(__AVX2__)
+  __m256 lanes = _mm256_setzero_ps();
+  for (; j + 8 <= hi; j += 8) lanes = _mm256_add_ps(lanes, _mm256_loadu_ps(s + j));
+  alignas(32) float part[8];
+  _mm256_store_ps(part, lanes);
+  for (float v : part) total += v;
+#endif
+  for (; j < hi; ++j) total += s[j];
+  return total;
+}
+
 #if defined(__AVX512F__)
 // 16 lanes of float32; the loops below run them, then finish the row in scalar code.
 constexpr int64_t kLanes = 16;
@@ -460,9 +515,110 @@ bool decode_tiled(const T* q, const E* k_buffer, const E* v_buffer, const uint16
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// ---- decode attention on AVX2 (CPUs without AVX-512) --------------------------
+//
+// The AVX-512 loops above in 8 lanes: K rows widened to float32 once per group, dot
+// products in 8-lane FMA chains, the softmax's max / exp / sum in lanes, probs @ V as
+// one chain pair per (head, 8 dims). Without these every AVX2 decode step attended in
+// scalar code (at 256 keys most of a quantized decode step's time).
+#define ARBORLM_DECODE_AVX2 1
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m128i load8_bytes(const void* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+inline __m256 load8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8_bytes(p))); }
+inline __m256 load8(const Fp8E5M2* p) { return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(load8_bytes(p)), 8)); }
+inline __m256 load8(const Fp8E4M3* p) {  // `fp8_e4m3_to_f32` in lanes
+  const __m256i u = _mm256_cvtepu8_epi32(load8_bytes(p));
+  const __m256i m = _mm256_and_si256(u, _mm256_set1_epi32(0x7f));
+  const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(m, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(0.001953125f));
+  __m256 f = _mm256_blendv_ps(normal, subnormal, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), m)));
+  f = _mm256_blendv_ps(f, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cmpeq_epi32(m, _mm256_set1_epi32(0x7f))));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(f), sign));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// softmax over s[0, len) in place: max and sum in lanes, exp of the shifted scores.
+inline void softmax_lanes(float* s, int64_t len) {
+  const float mx = range_max(s, 0, len);
+  for (int64_t t = 0; t < len; ++t) s[t] = exp_nonpositive(s[t] - mx);
+  const float inv = 1.f / range_sum(s, 0, len);
+  for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+}
+
+// `decode_one` for head_dim a multiple of 8 (`krow`: a float32 row of scratch).
+template <typename T, typename E>
+void decode_avx2(const float* qf, const E* k_buffer, const E* v_buffer, const uint16_t* k_scale,
+                 const uint16_t* v_scale, const int32_t* slots, int64_t len, int64_t kv_heads, int64_t head,
+                 int64_t group, int64_t head_dim, float scale, float logit_cap, T* out, float* scores, float* krow) {
+  const int64_t D = head_dim;
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t slot = slots[t];
+    const E* k = k_buffer + (slot * kv_heads + head) * D;
+    const float* kf = krow;
+    if constexpr (std::is_same_v<E, float>) {
+      kf = k;
+    } else {
+      for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(krow + d, load8(k + d));
+    }
+    const float ks = row_scale<E>(k_scale, slot, kv_heads, head);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = qf + g * D;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      int64_t d = 0;
+      for (; d + 16 <= D; d += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(kf + d), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d + 8), _mm256_loadu_ps(kf + d + 8), a1);
+      }
+      if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(kf + d), a0);
+      scores[g * len + t] = capped(hsum8(_mm256_add_ps(a0, a1)) * ks, scale, logit_cap);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) softmax_lanes(scores + g * len, len);
+  if constexpr (std::is_same_v<E, int8_t>) {  // an int8 row's V scale folds into its probabilities
+    for (int64_t t = 0; t < len; ++t) {
+      const float vs = row_scale<E>(v_scale, slots[t], kv_heads, head);
+      for (int64_t g = 0; g < group; ++g) scores[g * len + t] *= vs;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float* pg = scores + g * len;
+    for (int64_t d = 0; d < D; d += 8) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      int64_t t = 0;
+      for (; t + 1 < len; t += 2) {
+        const E* v0 = v_buffer + (static_cast<int64_t>(slots[t]) * kv_heads + head) * D;
+        const E* v1 = v_buffer + (static_cast<int64_t>(slots[t + 1]) * kv_heads + head) * D;
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(pg[t]), load8(v0 + d), a0);
+        a1 = _mm256_fmadd_ps(_mm256_set1_ps(pg[t + 1]), load8(v1 + d), a1);
+      }
+      if (t < len) {
+        const E* v0 = v_buffer + (static_cast<int64_t>(slots[t]) * kv_heads + head) * D;
+        a0 = _mm256_fmadd_ps(_mm256_set1_ps(pg[t]), load8(v0 + d), a0);
+      }
+      alignas(32) float o[8];
+      _mm256_store_ps(o, _mm256_add_ps(a0, a1));
+      for (int64_t e = 0; e < 8; ++e) store(out + (head * group + g) * D, d + e, o[e]);
+    }
+  }
+}
+#endif
+
 // Scratch of one thread for `decode_one`, reused across its (request, head) items.
 struct DecodeScratch {
-  std::vector<float> scores, acc, q;
+  std::vector<float> scores, acc, q, krow;
 };
 
 // One request, one KV head: every query head of its group attends over the
@@ -491,6 +647,14 @@ void decode_one(const T* q, const E* k_buffer, const E* v_buffer, const int32_t*
   float* qf = scratch.q.data();
   for (int64_t g = 0; g < group; ++g)
     for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = load(q + (head * group + g) * head_dim, d);
+#if defined(ARBORLM_DECODE_AVX2)
+  if (head_dim % 8 == 0) {
+    scratch.krow.resize(head_dim);
+    decode_avx2(qf, k_buffer, v_buffer, k_scale, v_scale, slots + start, len, kv_heads, head, group, head_dim, scale,
+                logit_cap, out, scores, scratch.krow.data());
+    return;
+  }
+#endif
   for (int64_t t = 0; t < len; ++t) {
     const int64_t slot = slots[start + t];
     const E* k = k_buffer + (slot * kv_heads + head) * head_dim;
@@ -642,29 +806,6 @@ void decode_attention_kv(int kv_dtype, const T* q, int64_t q_stride, const void*
 constexpr int64_t kTileKeys = 64;
 constexpr int64_t kTileRows = 16;
 
-// exp(x) for x <= 0 (the softmax's shifted scores), as `fast_exp` (Cephes `expf`), in
-// operations a loop of it vectorizes with: floor and the clamp in integers, 2^n built in
-// the exponent bits (below 2^-126 the result is 0).
-inline float exp_nonpositive(float x) {
-  const float y = x * 1.44269504088896341f + 0.5f;
-  int32_t n = static_cast<int32_t>(y);
-  n -= static_cast<int32_t>(static_cast<float>(n) > y);  // truncation to floor
-  n = n < -127 ? -127 : n;
-  const float nf = static_cast<float>(n);
-  const float r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (n + 127) << 23;
-  float pow2;
-  std::memcpy(&pow2, &bits, 4);
-  return p * pow2;
-}
-
 // Query rows and keys / dims of one register block of the tile products: 4 x 16 float32
 // accumulators (8 AVX2 or 4 AVX-512 registers), fused multiply-adds.
 constexpr int64_t kBlockRows = 4;
@@ -733,38 +874,6 @@ inline void tile_values(const float* __restrict p, const float* __restrict vt, i
       acc[r * D + d0 + e] += sum;
     }
 #endif
-}
-
-// Max and sum of s[lo, hi) in eight independent lanes (a single running max or sum is
-// a chain of dependent operations: it took as long as the tile's products).
-inline float range_max(const float* s, int64_t lo, int64_t hi) {
-  float m = -INFINITY;
-  int64_t j = lo;
-#if defined(__AVX2__)
-  if (hi - lo >= 8) {
-    __m256 lanes = _mm256_loadu_ps(s + j);
-    for (j += 8; j + 8 <= hi; j += 8) lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(s + j));
-    alignas(32) float part[8];
-    _mm256_store_ps(part, lanes);
-    for (float v : part) m = v > m ? v : m;
-  }
-#endif
-  for (; j < hi; ++j) m = s[j] > m ? s[j] : m;
-  return m;
-}
-
-inline float range_sum(const float* s, int64_t lo, int64_t hi) {
-  float total = 0.f;
-  int64_t j = lo;
-#if defined(__AVX2__)
-  __m256 lanes = _mm256_setzero_ps();
-  for (; j + 8 <= hi; j += 8) lanes = _mm256_add_ps(lanes, _mm256_loadu_ps(s + j));
-  alignas(32) float part[8];
-  _mm256_store_ps(part, lanes);
-  for (float v : part) total += v;
-#endif
-  for (; j < hi; ++j) total += s[j];
-  return total;
 }
 
 // Scratch of one thread for `extend_tile_block`: the widened K tile (head_dim x keys,
