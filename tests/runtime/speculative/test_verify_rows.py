@@ -197,7 +197,9 @@ def test_bfloat16_greedy_ngram_equals_speculation_off_on_the_default_model(smoll
         assert sched.flush_cache()
         on = run_to_completion(sched, [make_req("r", ids, max_new_tokens=64)])
         assert on.tokens == off.tokens, text
-        assert on.steps < off.steps
+        # The copy prompt's output quotes its passage: drafts are accepted there on any CPU;
+        # whether the chat answer repeats itself depends on the kernels' rounding.
+        assert on.steps < off.steps if text is PROMPTS[0] else on.steps <= off.steps
     assert sched.get_info()["spec_num_accepted_tokens"] > 0
 
 

@@ -84,20 +84,10 @@ class QuantizedKVAttentionBackend(AttentionBackend):
         if self.native is not None and forward_batch.forward_mode.is_decode():
             # The torch backend's metadata: over an int8 pool the fused decoder layer
             # (`layers/fused_decode.py`) takes the step as it does over a float pool.
-            forward_batch.attn_metadata = NativeDecodeMetadata(
-                forward_batch.req_pool_indices.to(torch.int64).contiguous(),
-                forward_batch.seq_lens.to(torch.int64).contiguous(),
-                forward_batch.out_cache_loc.to(torch.int64).contiguous(),
-            )
+            forward_batch.attn_metadata = NativeDecodeMetadata.of(forward_batch)
             return
         if self.native is not None and forward_batch.forward_mode.is_extend():
-            extend_seq_lens = forward_batch.extend_seq_lens.to(torch.int64)
-            forward_batch.attn_metadata = NativeExtendMetadata(
-                forward_batch.req_pool_indices.to(torch.int64).contiguous(),
-                forward_batch.seq_lens.to(torch.int64).contiguous(),
-                extend_seq_lens.contiguous(),
-                (torch.cumsum(extend_seq_lens, 0) - extend_seq_lens).contiguous(),
-            )
+            forward_batch.attn_metadata = NativeExtendMetadata.of(forward_batch)
             return
         forward_batch.attn_metadata = compact_kv_metadata(forward_batch)
 
@@ -105,13 +95,8 @@ class QuantizedKVAttentionBackend(AttentionBackend):
         pool = forward_batch.token_to_kv_pool
         pool.set_kv_buffer(layer_id, forward_batch.out_cache_loc, k, v)
         meta = forward_batch.attn_metadata
-        if isinstance(meta, NativeDecodeMetadata):
-            out = self._decode_in_place(q, layer_id, forward_batch, meta, scale, sliding_window, logit_cap)
-            if out is not None:
-                return out
-            meta = forward_batch.attn_metadata = compact_kv_metadata(forward_batch)
-        if isinstance(meta, NativeExtendMetadata):
-            out = self._extend_in_place(q, layer_id, forward_batch, meta, scale, sliding_window, logit_cap)
+        if isinstance(meta, (NativeDecodeMetadata, NativeExtendMetadata)):
+            out = self._in_place(q, layer_id, forward_batch, meta, scale, sliding_window, logit_cap)
             if out is not None:
                 return out
             meta = forward_batch.attn_metadata = compact_kv_metadata(forward_batch)
@@ -126,10 +111,10 @@ class QuantizedKVAttentionBackend(AttentionBackend):
             forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens, scale, sliding_window, logit_cap,
         )
 
-    def _decode_in_place(self, q, layer_id, forward_batch, meta: NativeDecodeMetadata, scale, sliding_window,
-                         logit_cap) -> torch.Tensor | None:
-        """The DECODE step through the C++ kernel over the one-byte pool (K/V already
-        stored); None where it does not take these tensors."""
+    def _in_place(self, q, layer_id, forward_batch, meta, scale, sliding_window, logit_cap) -> torch.Tensor | None:
+        """The step through the C++ kernel over the one-byte pool, K/V already stored:
+        decode (`meta` a `NativeDecodeMetadata`) or tiled extend (`NativeExtendMetadata`);
+        None where the kernels do not take these tensors."""
         pool = forward_batch.token_to_kv_pool
         k_buffer, v_buffer = pool.get_kv_buffer(layer_id)
         scales = pool.get_kv_scales(layer_id)
@@ -137,23 +122,12 @@ class QuantizedKVAttentionBackend(AttentionBackend):
         if not (meta.checked or self.native.can_decode(q, k_buffer, v_buffer, req_to_token, kv_scales=scales)):
             return None
         meta.checked = True  # every layer has the same shapes, dtypes and layout
-        return self.native.decode_attention(
-            q, k_buffer, v_buffer, req_to_token, meta.req_pool_indices, meta.seq_lens,
-            scale, sliding_window, logit_cap, check=False, kv_scales=scales,
-        )
-
-    def _extend_in_place(self, q, layer_id, forward_batch, meta: NativeExtendMetadata, scale, sliding_window,
-                         logit_cap) -> torch.Tensor | None:
-        """The EXTEND step through the tiled C++ kernel over the one-byte pool (K/V already
-        stored); None where it does not take these tensors."""
-        pool = forward_batch.token_to_kv_pool
-        k_buffer, v_buffer = pool.get_kv_buffer(layer_id)
-        scales = pool.get_kv_scales(layer_id)
-        req_to_token = forward_batch.req_to_token_pool.req_to_token
-        if not (meta.checked or self.native.can_decode(q, k_buffer, v_buffer, req_to_token, kv_scales=scales)):
-            return None
-        meta.checked = True
+        args = (q, k_buffer, v_buffer, req_to_token, meta.req_pool_indices, meta.seq_lens)
+        if isinstance(meta, NativeDecodeMetadata):
+            return self.native.decode_attention(
+                *args, scale, sliding_window, logit_cap, check=False, kv_scales=scales,
+            )
         return self.native.extend_attention_tiled(
-            q, k_buffer, v_buffer, req_to_token, meta.req_pool_indices, meta.seq_lens, meta.extend_seq_lens,
-            meta.extend_start_loc, scale, sliding_window, logit_cap, kv_scales=scales, check=False,
+            *args, meta.extend_seq_lens, meta.extend_start_loc, scale, sliding_window, logit_cap,
+            kv_scales=scales, check=False,
         )

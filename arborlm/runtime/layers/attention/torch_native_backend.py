@@ -30,6 +30,15 @@ class NativeDecodeMetadata:
     out_cache_loc: torch.Tensor
     checked: bool = False
 
+    @classmethod
+    def of(cls, forward_batch: ForwardBatch) -> NativeDecodeMetadata:
+        """The DECODE step's tensors, converted once."""
+        return cls(
+            forward_batch.req_pool_indices.to(torch.int64).contiguous(),
+            forward_batch.seq_lens.to(torch.int64).contiguous(),
+            forward_batch.out_cache_loc.to(torch.int64).contiguous(),
+        )
+
 
 @dataclass
 class NativeExtendMetadata:
@@ -42,6 +51,18 @@ class NativeExtendMetadata:
     extend_seq_lens: torch.Tensor
     extend_start_loc: torch.Tensor
     checked: bool = False
+
+    @classmethod
+    def of(cls, forward_batch: ForwardBatch) -> NativeExtendMetadata:
+        """The EXTEND step's tensors, converted once (extend_start_loc: the exclusive
+        cumulative sum of extend_seq_lens)."""
+        extend_seq_lens = forward_batch.extend_seq_lens.to(torch.int64).contiguous()
+        return cls(
+            forward_batch.req_pool_indices.to(torch.int64).contiguous(),
+            forward_batch.seq_lens.to(torch.int64).contiguous(),
+            extend_seq_lens,
+            (torch.cumsum(extend_seq_lens, 0) - extend_seq_lens).contiguous(),
+        )
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -66,20 +87,10 @@ class TorchAttentionBackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         if self.native is not None and self.native.amx and forward_batch.forward_mode.is_extend():
-            extend_seq_lens = forward_batch.extend_seq_lens.to(torch.int64)
-            forward_batch.attn_metadata = NativeExtendMetadata(
-                forward_batch.req_pool_indices.to(torch.int64).contiguous(),
-                forward_batch.seq_lens.to(torch.int64).contiguous(),
-                extend_seq_lens.contiguous(),
-                (torch.cumsum(extend_seq_lens, 0) - extend_seq_lens).contiguous(),
-            )
+            forward_batch.attn_metadata = NativeExtendMetadata.of(forward_batch)
         elif self.native is not None and forward_batch.forward_mode.is_decode():
             # The layers check that the kernel takes their tensors, and fall back if not.
-            forward_batch.attn_metadata = NativeDecodeMetadata(
-                forward_batch.req_pool_indices.to(torch.int64).contiguous(),
-                forward_batch.seq_lens.to(torch.int64).contiguous(),
-                forward_batch.out_cache_loc.to(torch.int64).contiguous(),
-            )
+            forward_batch.attn_metadata = NativeDecodeMetadata.of(forward_batch)
         else:
             forward_batch.attn_metadata = self._torch_metadata(forward_batch)
 
