@@ -138,6 +138,9 @@ class ModelInfo:
     max_total_tokens: int
     max_running_requests: int
     eos_token_ids: tuple[int, ...]
+    # How the weights are served, resolved (`quantization=None` on a quantized GGUF file
+    # is "gguf", elsewhere "none"): /get_server_info reports this, not the raw argument.
+    quantization: str = "none"
 
 
 def finish_reason_to_matched_stop(finish_reason: dict[str, Any] | None) -> Any:

@@ -305,14 +305,13 @@ def resolve_quantization(model_path: str | os.PathLike[str] | None, quantization
     ------
     ModelLoadError
         For "gguf" with a path that is not a GGUF file or one of an architecture the
-        quantized loader does not name; for a GGUF file that cannot be read.
+        quantized loader does not name; for a GGUF file that cannot be read (truncated,
+        corrupt), whatever `quantization` asks.
     """
     from arborlm.runtime.layers.quantization.gguf_file import read_gguf_file
     from arborlm.runtime.layers.quantization.gguf_loader import SERVED_TYPES
     from arborlm.runtime.layers.quantization.gguf_names import QUANTIZED_ARCHS
 
-    if quantization in ("none", "int8", "int4", "int4wo-32", "int4wo-128"):  # float weights, quantized at load
-        return None
     path = default_model_path() if model_path is None else Path(model_path).expanduser()
     if not (path.is_file() and path.suffix == ".gguf"):
         if quantization == "gguf":
@@ -321,7 +320,11 @@ def resolve_quantization(model_path: str | os.PathLike[str] | None, quantization
                 "(use quantization='none' or leave it unset)"
             )
         return None
+    # Read (and check) the file whatever is asked: a truncated or corrupt file is named as
+    # such here, not by the dequantizing converter's reshape of a short tensor.
     gguf = read_gguf_file(path)
+    if quantization in ("none", "int8", "int4", "int4wo-32", "int4wo-128"):  # float weights, quantized at load
+        return None
     if gguf.architecture not in QUANTIZED_ARCHS:
         if quantization == "gguf":
             raise ModelLoadError(

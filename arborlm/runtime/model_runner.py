@@ -86,6 +86,7 @@ class ModelRunner:
         if self.parallel.is_parallel and quantization is None:
             quantization = "none"  # tensor-parallel layers shard float weights
         gguf_file = resolve_quantization(server_args.model.model_path, quantization)
+        self.quantization = "gguf" if gguf_file is not None else (quantization or "none")
         checkpoint = self._resolve_checkpoint_once(gguf_file is None)
         loaded = load_model(
             checkpoint, self.dtype, self.device, server_args.model.attention_backend,
@@ -180,6 +181,7 @@ class ModelRunner:
             max_total_tokens=self.max_total_tokens,
             max_running_requests=self.max_running_requests,
             eos_token_ids=self.eos_token_ids(tokenizer),
+            quantization=self.quantization,
         )
 
     @torch.inference_mode()

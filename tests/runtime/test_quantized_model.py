@@ -279,8 +279,12 @@ def test_truncated_or_corrupt_gguf_is_a_model_load_error(tiny_gguf, tmp_path):
     for case, broken in _corrupt_copies(path, tmp_path).items():
         with pytest.raises(ModelLoadError):
             read_gguf_file(broken)
-        with pytest.raises(ModelLoadError):
-            resolve_quantization(str(broken), "gguf")
+        for quantization in ("gguf", None, "none", "int8"):  # checked whatever the weights become
+            with pytest.raises(ModelLoadError, match=str(broken)):
+                resolve_quantization(str(broken), quantization)
+        if case.startswith("cut"):
+            with pytest.raises(ModelLoadError, match="is truncated"):
+                read_gguf_file(broken)
         with pytest.raises(ModelLoadError):
             load_model(converted, torch.float32, torch.device("cpu"), gguf_file=broken)
         assert case  # every case raised at each step

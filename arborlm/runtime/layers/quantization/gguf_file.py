@@ -121,6 +121,8 @@ def read_gguf_file(path: Path) -> GGUFFile:
             if alignment <= 0 or alignment & (alignment - 1):
                 raise ModelLoadError(f"{path} has general.alignment {alignment}, not a power of two")
             data_start = -(-f.tell() // alignment) * alignment
+    except _HeaderTruncated as exc:
+        raise ModelLoadError(f"GGUF file {str(path)!r} is truncated: {exc}") from None
     except (OSError, struct.error, UnicodeDecodeError, KeyError, OverflowError) as exc:
         raise ModelLoadError(f"cannot read GGUF file {str(path)!r}: {exc!r}") from exc
     for info in tensors:
@@ -167,10 +169,15 @@ def _read_tensor_info(f: BinaryIO, path: Path) -> GGUFTensorInfo:
     return GGUFTensorInfo(name, ggml_type, tuple(reversed(dims)), offset, nbytes)
 
 
+class _HeaderTruncated(Exception):
+    """The header ends early (`read_gguf_file` names the file)."""
+
+
 def _read(f: BinaryIO, n: int) -> bytes:
+    at = f.tell()
     data = f.read(n)
     if len(data) != n:
-        raise ModelLoadError(f"GGUF file ends inside its header ({len(data)} of {n} bytes)")
+        raise _HeaderTruncated(f"its header ends at byte {at + len(data)}, inside a field of {n} bytes at byte {at}")
     return data
 
 

@@ -234,11 +234,19 @@ def _load_packed(target: _Target, weight, name: str) -> None:
 
 
 def _log(gguf: GGUFFile, report: GGUFLoadReport) -> None:
+    served = {f.upper() for f in SERVED_TYPES.values()}
     unserved = {t: n for t, n in report.dequantized.items() if t not in ("F32", "F16", "BF16")}
-    if unserved:
+    no_kernel = {t: n for t, n in unserved.items() if t not in served}
+    if no_kernel:
         logger.warning(
             "%s: %s tensors served dequantized: the quantized kernels cover %s",
-            gguf.path.name, dict(unserved), ", ".join(sorted(f.upper() for f in SERVED_TYPES.values())),
+            gguf.path.name, no_kernel, ", ".join(sorted(served)),
+        )
+    fused = {t: n for t, n in unserved.items() if t in served}
+    if fused:  # a stacked projection (qkv, gate_up) is served one way for all its parts
+        logger.warning(
+            "%s: %s tensors served dequantized: they share a fused projection (qkv or gate_up) "
+            "with a tensor of a type the kernels do not cover", gguf.path.name, fused,
         )
     logger.info(
         "%s: serving %s tensors quantized, %s dequantized", gguf.path.name, dict(report.quantized),
