@@ -689,7 +689,7 @@ def extend_case(prefix_lens, extend_lens, num_kv_heads, group, head_dim, dtype, 
 EXTEND_PREFIXES, EXTEND_LENS = [0, 37, 100, 63, 5], [70, 5, 1, 130, 16]
 
 
-@pytest.mark.parametrize("sliding_window,logit_cap", [(None, 0.0), (50, 0.0), (None, 30.0), (17, 30.0)])
+@pytest.mark.parametrize("sliding_window,logit_cap", [(None, 0.0), (17, 30.0)])
 @pytest.mark.parametrize("head_dim", [40, 64, 128])  # 40: past the register blocks of 16 dims
 @pytest.mark.parametrize("group", [1, 3, 4])
 @pytest.mark.parametrize("kv_dtype", [None, *ONE_BYTE], ids=str)  # None: a pool of q's dtype
