@@ -250,3 +250,30 @@ def test_largest_products_do_not_saturate(native_ops, fmt):
     want = quant_reference.int8_linear(x, weight)
     got = native_ops.linear(x, native_ops.prepare([weight]))
     assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_quants_are_ggml_q8_0_bit_for_bit(native_ops, dtype):
+    """The int8 activations the kernel computes, read back through an identity Q8_0 weight
+    (scale 1, quant 1 on the diagonal: output n is quant n times its block's scale, one
+    float32 rounding) against `quant_reference.quantize_activations`, exactly. Rows hold
+    ties (values k + 0.5 in a block whose max is 127: round half to even), an all-zero
+    block, a block of one large value among tiny ones, and random blocks."""
+    in_features = 128
+    raw = np.zeros((in_features, in_features // 32, 34), dtype=np.uint8)
+    raw[:, :, :2] = np.array([1.0], dtype=np.float16).view(np.uint8)
+    for n in range(in_features):
+        raw[n, n // 32, 2 + n % 32] = 1
+    weight = native_ops.prepare([pack_ggml_blocks("q8_0", torch.from_numpy(raw.reshape(in_features, -1)), in_features)])
+    x = torch.randn(5, in_features, generator=torch.Generator().manual_seed(4)) * 3
+    x[0, :32] = torch.arange(32) - 15.5  # ties once scaled by 127 / 127
+    x[0, 31] = 127.0
+    x[1, 32:64] = 0.0
+    x[2, 64:96] = 1e-3
+    x[2, 70] = -250.0
+    x = x.to(dtype)
+    act = quant_reference.quantize_activations(x)
+    want = (act.quants.float() * act.scales.unsqueeze(-1)).reshape(x.shape[0], -1)
+    got = native_ops.linear(x, weight) if dtype == torch.float32 else native_ops.linear(x, weight).float()
+    want = want if dtype == torch.float32 else want.to(torch.bfloat16).float()
+    assert torch.equal(got, want)

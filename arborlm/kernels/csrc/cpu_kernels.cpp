@@ -281,6 +281,75 @@ inline __m512 exp16(__m512 x) {
 constexpr int64_t kLanes = 0;  // no vector loops: scalar code only
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// ---- 8 lanes of float32, for CPUs with AVX2 and no AVX-512 ----------------------
+//
+// The loops below take these where the AVX-512 ones do not build: without them every
+// norm, SiLU, rotary and decode attention of an AVX2 CPU ran scalar code.
+#define ARBORLM_AVX2_LANES 1
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline __m128i load8_bytes(const void* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+inline __m256 load8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8_bytes(p))); }
+inline __m256 load8(const Fp8E5M2* p) { return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(load8_bytes(p)), 8)); }
+inline __m256 load8(const Fp8E4M3* p) {  // `fp8_e4m3_to_f32` in lanes
+  const __m256i u = _mm256_cvtepu8_epi32(load8_bytes(p));
+  const __m256i m = _mm256_and_si256(u, _mm256_set1_epi32(0x7f));
+  const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(m, 20), _mm256_set1_epi32(120 << 23)));
+  const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(0.001953125f));
+  __m256 f = _mm256_blendv_ps(normal, subnormal, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), m)));
+  f = _mm256_blendv_ps(f, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cmpeq_epi32(m, _mm256_set1_epi32(0x7f))));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x80)), 24);
+  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(f), sign));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+// Round to nearest even, NaN kept quiet: `f32_to_bf16` on 8 lanes.
+inline void store8(uint16_t* p, __m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+  const __m256i hi = _mm256_srli_epi32(r, 16);  // 8 x 16 bits in the low halves of 32-bit lanes
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+// `exp16` in 8 lanes (Cephes `expf`): 2^n applied as two halves in the exponent bits,
+// so that n = 128 (x near the clamp's top) stays finite as `_mm512_scalef_ps` keeps it.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_add_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+  const __m256 pow1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, _mm256_set1_epi32(127)), 23));
+  const __m256 pow2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, _mm256_set1_epi32(127)), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, pow1), pow2);
+}
+#endif
+
 // Vector loops cover [0, vector_end(n)); the scalar tail the rest.
 inline int64_t vector_end(int64_t n) { return kLanes ? n - n % (kLanes ? kLanes : 1) : 0; }
 
@@ -300,6 +369,8 @@ void rms_norm_rows(const T* x, int64_t x_stride, T* residual, int64_t res_stride
       int64_t i = 0;
 #if defined(__AVX512F__)
       for (; i < vec; i += kLanes) store16(resr + i, _mm512_add_ps(load16(xr + i), load16(resr + i)));
+#elif defined(ARBORLM_AVX2_LANES)
+      for (; i + 8 <= dim; i += 8) store8(resr + i, _mm256_add_ps(load8(xr + i), load8(resr + i)));
 #endif
       for (; i < dim; ++i) store(resr, i, load(xr, i) + load(resr, i));
       src = resr;
@@ -313,6 +384,14 @@ void rms_norm_rows(const T* x, int64_t x_stride, T* residual, int64_t res_stride
       acc = _mm512_fmadd_ps(v, v, acc);
     }
     sum_sq = _mm512_reduce_add_ps(acc);
+#elif defined(ARBORLM_AVX2_LANES)
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; i + 16 <= dim; i += 16) {
+      const __m256 v0 = load8(src + i), v1 = load8(src + i + 8);
+      acc0 = _mm256_fmadd_ps(v0, v0, acc0);
+      acc1 = _mm256_fmadd_ps(v1, v1, acc1);
+    }
+    sum_sq = hsum8(_mm256_add_ps(acc0, acc1));
 #endif
     for (; i < dim; ++i) sum_sq += load(src, i) * load(src, i);
     const float rstd = 1.f / std::sqrt(sum_sq / static_cast<float>(dim) + eps);
@@ -321,6 +400,10 @@ void rms_norm_rows(const T* x, int64_t x_stride, T* residual, int64_t res_stride
     const __m512 rstd16 = _mm512_set1_ps(rstd);
     for (; i < vec; i += kLanes)
       store16(outr + i, _mm512_mul_ps(_mm512_mul_ps(load16(src + i), rstd16), load16(weight + i)));
+#elif defined(ARBORLM_AVX2_LANES)
+    const __m256 rstd8 = _mm256_set1_ps(rstd);
+    for (; i + 8 <= dim; i += 8)
+      store8(outr + i, _mm256_mul_ps(_mm256_mul_ps(load8(src + i), rstd8), load8(weight + i)));
 #endif
     for (; i < dim; ++i) store(outr, i, load(src, i) * rstd * load(weight, i));
   }
@@ -342,6 +425,13 @@ void silu_and_mul_rows(const T* gate_up, int64_t in_stride, T* out, int64_t out_
       const __m512 gv = load16(g + i);
       const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
       store16(o + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), load16(u + i)));
+    }
+#elif defined(ARBORLM_AVX2_LANES)
+    const __m256 one = _mm256_set1_ps(1.f);
+    for (; i + 8 <= dim; i += 8) {
+      const __m256 gv = load8(g + i);
+      const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+      store8(o + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), load8(u + i)));
     }
 #endif
     for (; i < dim; ++i) {
@@ -373,6 +463,14 @@ void rotary_rows(T* x, int64_t token_stride, int64_t tokens, int64_t heads, int6
             _mm512_add_ps(_mm512_mul_ps(b, load16(c + i + half)), _mm512_mul_ps(a, load16(s + i + half)));
         store16(v + i, lo);
         store16(v + i + half, hi);
+      }
+#elif defined(ARBORLM_AVX2_LANES)
+      for (; i + 8 <= half; i += 8) {
+        const __m256 a = load8(v + i), b = load8(v + i + half);
+        const __m256 lo = _mm256_add_ps(_mm256_mul_ps(a, load8(c + i)), _mm256_mul_ps(b, load8(s + i)));
+        const __m256 hi = _mm256_add_ps(_mm256_mul_ps(b, load8(c + i + half)), _mm256_mul_ps(a, load8(s + i + half)));
+        store8(v + i, lo);
+        store8(v + i + half, hi);
       }
 #endif
       for (; i < half; ++i) {
@@ -515,41 +613,13 @@ bool decode_tiled(const T* q, const E* k_buffer, const E* v_buffer, const uint16
 }
 #endif
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(ARBORLM_AVX2_LANES)
 // ---- decode attention on AVX2 (CPUs without AVX-512) --------------------------
 //
 // The AVX-512 loops above in 8 lanes: K rows widened to float32 once per group, dot
 // products in 8-lane FMA chains, the softmax's max / exp / sum in lanes, probs @ V as
 // one chain pair per (head, 8 dims). Without these every AVX2 decode step attended in
 // scalar code (at 256 keys most of a quantized decode step's time).
-#define ARBORLM_DECODE_AVX2 1
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  return _mm256_castsi256_ps(
-      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-inline __m128i load8_bytes(const void* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
-inline __m256 load8(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8_bytes(p))); }
-inline __m256 load8(const Fp8E5M2* p) { return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(load8_bytes(p)), 8)); }
-inline __m256 load8(const Fp8E4M3* p) {  // `fp8_e4m3_to_f32` in lanes
-  const __m256i u = _mm256_cvtepu8_epi32(load8_bytes(p));
-  const __m256i m = _mm256_and_si256(u, _mm256_set1_epi32(0x7f));
-  const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(m, 20), _mm256_set1_epi32(120 << 23)));
-  const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(m), _mm256_set1_ps(0.001953125f));
-  __m256 f = _mm256_blendv_ps(normal, subnormal, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), m)));
-  f = _mm256_blendv_ps(f, _mm256_set1_ps(NAN), _mm256_castsi256_ps(_mm256_cmpeq_epi32(m, _mm256_set1_epi32(0x7f))));
-  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x80)), 24);
-  return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(f), sign));
-}
-
-inline float hsum8(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
-}
-
 // softmax over s[0, len) in place: max and sum in lanes, exp of the shifted scores.
 inline void softmax_lanes(float* s, int64_t len) {
   const float mx = range_max(s, 0, len);
@@ -686,7 +756,7 @@ void decode_one(const T* q, const E* k_buffer, const E* v_buffer, const int32_t*
   float* qf = scratch.q.data();
   for (int64_t g = 0; g < group; ++g)
     for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = load(q + (head * group + g) * head_dim, d);
-#if defined(ARBORLM_DECODE_AVX2)
+#if defined(ARBORLM_AVX2_LANES)
   if (head_dim % 8 == 0) {
     scratch.krow.resize(head_dim);
     decode_avx2(qf, k_buffer, v_buffer, k_scale, v_scale, slots + start, len, kv_heads, head, group, head_dim, scale,

@@ -49,9 +49,61 @@ namespace {
 
 // ---- activations -> int8 blocks ---------------------------------------------
 
+#if defined(ARBORLM_QUANT_AVX512) || defined(ARBORLM_QUANT_AVX2)
+#define ARBORLM_QUANT_ROW_LANES 1
+// 8 activations from i as float32 (bf16 widened exactly).
+inline __m256 load_act8(const void* x, int dtype, int64_t i) {
+  if (dtype == kF32) return _mm256_loadu_ps(static_cast<const float*>(x) + i);
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + i));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline int32_t hsum_i32x8(__m256i v) {
+  __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4e));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0xb1));
+  return _mm_cvtsi128_si32(x);
+}
+
+// One block of `quantize_row` in 8 lanes, the same values bit for bit: max and min pick
+// their second operand on NaN exactly where std::max / std::min keep the scalar code's
+// first (a NaN is skipped by amax and clamps to -127), rounding is nearbyint's (to even).
+inline void quantize_block8(const void* x, int dtype, int64_t at, int8_t* q, float* d, int32_t* s) {
+  __m256 v[4];
+  __m256 amax8 = _mm256_setzero_ps();
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int j = 0; j < 4; ++j) {
+    v[j] = load_act8(x, dtype, at + 8 * j);
+    amax8 = _mm256_max_ps(_mm256_and_ps(v[j], abs_mask), amax8);
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax8), _mm256_extractf128_ps(amax8, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  __m256i qi[4];
+  for (int j = 0; j < 4; ++j) {
+    __m256 y = _mm256_max_ps(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)), _mm256_set1_ps(-127.0f));
+    y = _mm256_min_ps(y, _mm256_set1_ps(127.0f));
+    qi[j] = _mm256_cvttps_epi32(_mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  // packs work within 128-bit lanes: granule i (4 bytes) of the result holds values
+  // 4i.. of qi[i] for i < 4 and 4 (i - 4) + 4.. of qi[i - 4] after; put them in order.
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+  const __m256i ordered = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), ordered);
+  *d = amax / 127.0f;
+  s[0] = hsum_i32x8(_mm256_add_epi32(qi[0], qi[1]));
+  s[1] = hsum_i32x8(_mm256_add_epi32(qi[2], qi[3]));
+}
+#endif
+
 // Quantize one row of K values (dtype `dtype`) to int8 blocks, ggml's Q8_0 rule:
 // d = max|x| / 127, q = round(x / d); also the sums of q per half block.
 void quantize_row(const void* x, int dtype, int64_t K, int8_t* q, float* d, int32_t* s) {
+#if defined(ARBORLM_QUANT_ROW_LANES)
+  for (int64_t b = 0; b < K / kBlock; ++b) quantize_block8(x, dtype, b * kBlock, q + b * kBlock, d + b, s + 2 * b);
+#else
   float v[kBlock];
   for (int64_t b = 0; b < K / kBlock; ++b) {
     float amax = 0.0f;
@@ -62,7 +114,7 @@ void quantize_row(const void* x, int dtype, int64_t K, int8_t* q, float* d, int3
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     int32_t sum[2] = {0, 0};
     for (int64_t i = 0; i < kBlock; ++i) {
-      // A NaN activation quantizes to 0 here; its row's output is garbage either way.
+      // A NaN activation is skipped by amax and clamps to -127; its row's output is garbage either way.
       const int32_t qi = static_cast<int32_t>(std::nearbyint(std::min(127.0f, std::max(-127.0f, v[i] * inv))));
       q[b * kBlock + i] = static_cast<int8_t>(qi);
       sum[i / 16] += qi;
@@ -71,6 +123,7 @@ void quantize_row(const void* x, int dtype, int64_t K, int8_t* q, float* d, int3
     s[2 * b] = sum[0];
     s[2 * b + 1] = sum[1];
   }
+#endif
 }
 
 struct Activations {
@@ -306,6 +359,23 @@ inline void unpack_half(const Weight& w, int64_t blk, int half, __m256i* wq) {
   }
 }
 
+// How many blocks (of 16 rows) ahead `half_tile_rows` prefetches the weight stream:
+// a decode step reads each weight once, and a call's stream (a few hundred KB per
+// thread) ends before the hardware prefetcher reaches full depth.
+constexpr int64_t kPrefetchBlocks = 8;
+
+// Prefetch block blk's quants, scales and mins (addresses past the end are harmless:
+// a prefetch never faults).
+template <int F>
+inline void prefetch_block(const Weight& w, int64_t blk) {
+  const char* q = reinterpret_cast<const char*>(w.q + blk * kTile * block_bytes(F));
+  for (int64_t off = 0; off < kTile * block_bytes(F); off += 64) _mm_prefetch(q + off, _MM_HINT_T0);
+  if constexpr (!is_k_quant(F)) {
+    _mm_prefetch(reinterpret_cast<const char*>(w.d + blk * kTile), _MM_HINT_T0);
+    if constexpr (F == kQ4_1) _mm_prefetch(reinterpret_cast<const char*>(w.m + blk * kTile), _MM_HINT_T0);
+  }
+}
+
 struct BlockScales8 {
   __m256 d[2];
   __m256 min;
@@ -365,6 +435,7 @@ void half_tile_rows(const Weight& w, int64_t t, int64_t nb, const Activations& a
         if constexpr (F != kQ6_K) msup = load_f16x8(w.m + sup * kTile + 8 * half);
       }
     }
+    if (half == 0) prefetch_block<F>(w, t * nb + b + kPrefetchBlocks);
     __m256i wq[8];
     unpack_half<F>(w, t * nb + b, half, wq);
     const BlockScales8 sc = block_scales_half<F>(w, t, nb, b, half, dsup, msup);
