@@ -251,7 +251,8 @@ def print_table(results: list[tuple[Group, int, dict[str, Row]]], args: argparse
           f"| prefill tok/s ({args.prefill_len} tokens) | perplexity / none |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
     # the default model's files share one reference: the shipped file dequantized (`none`)
-    base_ppl = next((rows["none"].perplexity for g, _, rows in results if g.name == "default"), None)
+    base_ppl = next((rows["none"].perplexity for g, _, rows in results if g.name == "default" and "none" in rows),
+                    None)  # `--variants` without none: no perplexity ratio
     for group, batch_size, rows in results:
         for variant, row in rows.items():
             ms = statistics.median(row.decode_ms)
