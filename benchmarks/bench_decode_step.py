@@ -30,9 +30,10 @@ beside a running batch of 8) is timed the same way. With ``--baseline onednn`` e
 also times a bare step whose linear layers run on oneDNN where they would take the AVX-512
 BF16 kernel (`kernels/linear_avx512.py`), interleaved, so that kernel's effect is a ratio
 within one run; with ``--baseline unfused``, bare steps whose decoder layers run module by
-module instead of as one native call each (`kernels/fused_decoder_layer.py`). Where a
-layer takes the fused call its modules' hooks do not fire: its whole time is the
-``fused layers`` part. Results: docs/decode_step.md.
+module instead of as native calls (`kernels/fused_decoder_layer.py`). Where the layers take
+the fused call (all of a step's layers in one call, `FusedDecode.run_layers`) their
+modules' hooks do not fire: their whole time is the ``fused layers`` part. Results:
+docs/decode_step.md.
 
     flock /tmp/arborlm-timing.lock .venv/bin/python benchmarks/bench_decode_step.py \\
         --markdown-out benchmarks/results/decode_step.md
@@ -201,6 +202,9 @@ def instrumented(scheduler: Scheduler, timer: PartTimer) -> Iterator[None]:
         stack.enter_context(patched(scheduler.kv, "alloc_slots", timer.wrap("forward_batch", scheduler.kv.alloc_slots)))
         stack.enter_context(patched(scheduler.model_runner, "forward",
                                     timer.wrap("_forward", scheduler.model_runner.forward)))
+        fused = getattr(model.model, "fused_decode", None)
+        if fused is not None:  # all layers in one call: no layer hook fires (`LlamaModel.forward`)
+            stack.enter_context(patched(fused, "run_layers", timer.wrap("_fused_stack", fused.run_layers)))
         stack.enter_context(patched(worker.grammar_masker, "apply_grammar_masks",
                                     timer.wrap("grammar mask", worker.grammar_masker.apply_grammar_masks)))
         stack.enter_context(patched(worker, "sampler", timer.wrap("sampling", sampler)))
@@ -226,8 +230,9 @@ def derive_parts(raw: dict[str, float], counts: dict[str, int], outside_s: float
     out["layer glue"] -= outside_s * (n["_self_attn"] + n["_mlp"] + n["norms"])
     if n["_layer"] and not n["_self_attn"]:  # every layer took the fused call: no module hooks fired
         out["fused layers"], out["layer glue"] = out["layer glue"], 0.0
+    out["fused layers"] += p["_fused_stack"]  # all layers in one call (or its refusal: no layer hook fired)
     out["logits"] = p["_lm_head"] + p["_final_norm"]
-    out["model other"] = p["_forward"] - p["_layer"] - p["embed"] - out["logits"]
+    out["model other"] = p["_forward"] - p["_layer"] - p["_fused_stack"] - p["embed"] - out["logits"]
     out["model other"] -= outside_s * (n["_model_body"] + n["_layer"] + n["embed"] + n["_lm_head"] + n["_final_norm"])
     out["sampling setup"] = p["_sample"] - p["sampling"] - p["grammar mask"]
     return {k: max(0.0, v) for k, v in out.items()}

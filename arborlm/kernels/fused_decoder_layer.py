@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = (_CSRC / "fused_decoder_layer.cpp", _CSRC / "cpu_kernels.cpp", _CSRC / "linear_bf16_avx512.cpp",
            _CSRC / "quant_linear.cpp", _CSRC / "quant_layout.h")
-ABI_VERSION = 3
+ABI_VERSION = 4
 # Weight kinds of `FusedLinear.kind` (see the source).
 KIND_BF16_AVX512, KIND_BF16_AMX, KIND_FLOAT32, KIND_QUANT = 0, 1, 2, 3
 # Rows up to which float32 decode steps take the fused layer: its row-dot linear reads
@@ -87,6 +87,7 @@ class _ScratchStruct(ctypes.Structure):
 _SIGNATURES = {
     "arborlm_fused_layer_abi_version": ((), ctypes.c_int),
     "arborlm_fused_decoder_layer": ((_ptr, _ptr, _ptr, _ptr, _ptr, ctypes.c_int, _ptr), ctypes.c_int),
+    "arborlm_fused_decoder_layers": ((_ptr, _i64, _ptr, _ptr, _ptr, _ptr, ctypes.c_int, _ptr), ctypes.c_int),
 }
 
 
@@ -342,6 +343,50 @@ def run_layer(lib: ctypes.CDLL, layer: LayerParams, step: StepParams, scratch: D
     if lib.arborlm_fused_decoder_layer(layer.address, step.address, scratch.address, x.data_ptr(),
                                        residual.data_ptr(), add, out.data_ptr()) != 0:
         raise ValueError("fused decoder layer: a linear layer's kind does not match the layer's dtype "
+                         "(or a quantized weight's format is unknown)")
+    return out, residual
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """Consecutive layers for `run_layers`: their params (kept alive here) and the C array
+    of their struct addresses, built once by `layer_stack`."""
+
+    layers: tuple[LayerParams, ...]
+    array: ctypes.Array
+    address: int
+    max_rows: int
+
+
+def layer_stack(layers: tuple[LayerParams, ...]) -> LayerStack | None:
+    """The stack of `layers` (in order), or None where they cannot share one call: none
+    given, or their dtypes or shapes differ (one scratch serves them all)."""
+    if not layers or any(p.dtype != layers[0].dtype or p.shape != layers[0].shape for p in layers):
+        return None
+    array = (_ptr * len(layers))(*(p.address for p in layers))
+    return LayerStack(layers, array, ctypes.addressof(array), min(p.max_rows for p in layers))
+
+
+def run_layers(lib: ctypes.CDLL, stack: LayerStack, step: StepParams, scratch: DecodeScratch,
+               x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`run_layer` over every layer of `stack` in one native call: the same kernels in the
+    same order, so the same output bit for bit, without the per-layer Python and ctypes
+    work. x, residual: the first layer's (as `run_layer`); rows within `stack.max_rows`
+    (checked by the caller). Returns `(scratch.out(rows), residual)` after the last layer.
+
+    Raises
+    ------
+    ValueError
+        As `run_layer`, for any layer of the stack (checked before anything is written).
+    """
+    if residual is None:
+        residual, add = x, 0
+    else:
+        add = 1
+    out = scratch.out(step.rows)
+    if lib.arborlm_fused_decoder_layers(stack.address, len(stack.layers), step.address, scratch.address,
+                                        x.data_ptr(), residual.data_ptr(), add, out.data_ptr()) != 0:
+        raise ValueError("fused decoder layers: a linear layer's kind does not match the layer's dtype "
                          "(or a quantized weight's format is unknown)")
     return out, residual
 

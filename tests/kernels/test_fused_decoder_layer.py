@@ -276,6 +276,69 @@ def test_kind_dtype_mismatch_raises_and_writes_nothing():
     assert torch.equal(step.k_pool, before)
 
 
+def _stacked_and_one_by_one(case, dtype, rows):
+    """Two layers through `run_layers` and through `run_layer` one by one, each on its own
+    copy of the pools: (output, residual, k_pool, v_pool) of both."""
+    ops = NativeLayerOps(NATIVE)
+    layers = [make_layer(ops, case, dtype, seed=100 * i) for i in range(2)]
+    params = tuple(layer.params(case, dtype, i) for i, layer in enumerate(layers))
+    stack = fused.layer_stack(params)
+    assert stack is not None and stack.max_rows == params[0].max_rows
+    x = randn(rows, case.shape.hidden, dtype=dtype, seed=3)
+    step = make_step(case, dtype, rows)
+    stacked = step.clone_pools()
+    scratch = fused.DecodeScratch(case.shape, dtype, stack.max_rows)
+    out, residual = fused.run_layers(LIB, stack, stacked.params(dtype, case.shape.head_dim), scratch, x.clone(), None)
+    got = (out.clone(), residual, stacked.k_pool, stacked.v_pool)
+    one = step.clone_pools()
+    hidden, residual = fused_layers(layers, case, dtype, one, x.clone())
+    return got, (hidden, residual, one.k_pool, one.v_pool)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_stacked_layers_equal_the_layers_one_by_one_bit_for_bit(case, rows):
+    """`run_layers` (the model's decode steps) runs the same kernels as `run_layer` per layer."""
+    case = CASES[case]
+    dtypes = [torch.float32]
+    if isinstance(NativeLayerOps(NATIVE).pack_linear(torch.zeros(32, 32, dtype=torch.bfloat16)),
+                  (cpu_ops.AmxWeight, fused.linear_avx512.Avx512Weight)):
+        dtypes.append(torch.bfloat16)
+    for dtype in dtypes:
+        got, want = _stacked_and_one_by_one(case, dtype, rows)
+        for name, g, w in zip(("output", "residual", "k_pool", "v_pool"), got, want):
+            assert torch.equal(g, w), (dtype, name)
+
+
+def test_stack_with_a_refused_layer_raises_and_writes_nothing():
+    """A refused kind in the second layer is found before the first one runs."""
+    case = CASES["bias+window+d128"]
+    ops = NativeLayerOps(NATIVE)
+    params = tuple(make_layer(ops, case, torch.float32, seed=i).params(case, torch.float32, i) for i in range(2))
+    params[1].struct.dtype = 1  # float32 weights, told bf16
+    step = make_step(case, torch.float32, 3)
+    before = (step.k_pool.clone(), step.v_pool.clone())
+    scratch = fused.DecodeScratch(case.shape, torch.float32, params[0].max_rows)
+    x = randn(3, case.shape.hidden, dtype=torch.float32, seed=3)
+    x_before = x.clone()
+    with pytest.raises(ValueError, match="kind"):
+        fused.run_layers(LIB, fused.layer_stack(params), step.params(torch.float32, case.shape.head_dim), scratch, x,
+                         None)
+    assert torch.equal(step.k_pool, before[0]) and torch.equal(step.v_pool, before[1]) and torch.equal(x, x_before)
+
+
+def test_layer_stack_needs_one_dtype_and_shape():
+    case = CASES["bias+window+d128"]
+    ops = NativeLayerOps(NATIVE)
+    layer = make_layer(ops, case, torch.float32, seed=0).params(case, torch.float32, 0)
+    other_shape = fused.LayerShape(case.shape.hidden, case.shape.num_heads, case.shape.num_kv_heads,
+                                   case.shape.head_dim, case.shape.intermediate + 32)
+    assert fused.layer_stack(()) is None
+    assert fused.layer_stack((layer, fused.LayerParams(layer.struct, layer.address, layer.dtype, other_shape,
+                                                       layer.max_rows, ()))) is None
+    assert fused.layer_stack((layer, layer)) is not None
+
+
 # ---- the model: greedy tokens with the fused path on and off --------------------------
 
 PROMPTS = [[5, 17, 99, 3, 250, 8, 41, 77, 12, 6, 140, 33, 9], [200, 1, 2], [7, 7, 7, 64, 128, 31, 90, 15]]
@@ -283,21 +346,19 @@ PROMPTS = [[5, 17, 99, 3, 250, 8, 41, 77, 12, 6, 140, 33, 9], [200, 1, 2], [7, 7
 
 def _greedy_on_off(loaded, dtype, prompts, max_new_tokens, monkeypatch):
     """Greedy tokens with the fused path on, then off; and how many layers it ran."""
-    from tests.runtime.model_helpers import ModelHarness
+    from tests.runtime.model_helpers import ModelHarness, count_fused_layer_calls
 
     model = loaded.model
     fd = model.model.fused_decode
     assert fd is not None
-    calls = []
-    real = fused.run_layer
-    monkeypatch.setattr(fused, "run_layer", lambda *a: calls.append(1) or real(*a))
+    calls = count_fused_layer_calls(monkeypatch)
     outs = []
     for enabled in (True, False):
         fd.enabled = enabled
         harness = ModelHarness(model, loaded.hf_config, dtype=dtype)
         outs.append(harness.greedy(prompts, max_new_tokens))
     fd.enabled = True
-    return outs[0], outs[1], len(calls)
+    return outs[0], outs[1], sum(calls)
 
 
 FAMILIES = {

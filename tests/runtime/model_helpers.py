@@ -68,3 +68,16 @@ class ModelHarness:
             for out, t in zip(outputs, logits.argmax(-1).tolist()):
                 out.append(t)
         return outputs
+
+
+def count_fused_layer_calls(monkeypatch) -> list[int]:
+    """Decoder layers run through the fused native call from now on (one entry per call of
+    `fused_decoder_layer.run_layer`, the stack's layer count per `run_layers`); the list
+    returned fills as they run."""
+    from arborlm.kernels import fused_decoder_layer as fused
+
+    calls: list[int] = []
+    one, many = fused.run_layer, fused.run_layers
+    monkeypatch.setattr(fused, "run_layer", lambda *a: calls.append(1) or one(*a))
+    monkeypatch.setattr(fused, "run_layers", lambda lib, stack, *a: calls.append(len(stack.layers)) or many(lib, stack, *a))
+    return calls

@@ -32,7 +32,7 @@ from arborlm.runtime.model_loader import (  # noqa: E402
     resolve_quantization,
 )
 from tests.runtime.family_helpers import PROMPTS, tiny_checkpoint  # noqa: E402
-from tests.runtime.model_helpers import ModelHarness  # noqa: E402
+from tests.runtime.model_helpers import ModelHarness, count_fused_layer_calls  # noqa: E402
 from tests.runtime.test_quantized_model import (  # noqa: E402
     K_LLAMA_TYPES,
     K_SIZES,
@@ -54,9 +54,7 @@ def decode_on_off(loaded, dtype, prompts, new_tokens, monkeypatch, pool_dtype=No
     `pool_dtype`, default `dtype`)."""
     fd = loaded.model.model.fused_decode
     assert fd is not None
-    calls = []
-    real = fused.run_layer
-    monkeypatch.setattr(fused, "run_layer", lambda *a: calls.append(1) or real(*a))
+    calls = count_fused_layer_calls(monkeypatch)
     runs, tokens = [], None
     for enabled in (True, False):
         fd.enabled = enabled
@@ -74,7 +72,7 @@ def decode_on_off(loaded, dtype, prompts, new_tokens, monkeypatch, pool_dtype=No
     fd.enabled = True
     (on, greedy_on), (off, greedy_off) = runs
     assert greedy_on == greedy_off
-    return on, off, len(calls)
+    return on, off, sum(calls)
 
 
 def _bit_exact_kinds(model) -> bool:

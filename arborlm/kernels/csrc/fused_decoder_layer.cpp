@@ -206,29 +206,24 @@ bool quant_formats_known(const FusedLinear& lin) {
 
 int64_t element_bytes(int64_t dtype) { return dtype == 0 ? 4 : 2; }
 
-}  // namespace
-
-extern "C" {
-
-int arborlm_fused_layer_abi_version() { return 3; }
-
-// One decoder layer of a decode step (see the top of the file). x, residual, out:
-// (rows, hidden) contiguous rows. With add_residual 0 (the first layer) the residual
-// stream starts as x: residual must then be x itself (normalised, not added).
-// residual is updated in place; out may be x (x is read first). Returns 0, or -1
-// for a linear layer whose kind the layer's dtype does not take or a quantized weight
-// of an unknown format (nothing written).
-int arborlm_fused_decoder_layer(const FusedLayerParams* p, const FusedStep* step, const FusedScratch* s,
-                                const void* x, void* residual, int add_residual, void* out) {
-  const FusedLinear* linears[] = {&p->qkv, &p->o_proj, &p->gate_up, &p->down};
+// Whether every linear's kind is one the layer's dtype takes (and every quantized
+// weight's format is known).
+bool layer_kinds_ok(const FusedLayerParams& p) {
+  const FusedLinear* linears[] = {&p.qkv, &p.o_proj, &p.gate_up, &p.down};
   for (const FusedLinear* lin : linears) {
     if (lin->kind == kQuant) {
-      if (!quant_formats_known(*lin)) return -1;
+      if (!quant_formats_known(*lin)) return false;
       continue;
     }
     const bool bf16_kind = lin->kind == kBf16Avx512 || lin->kind == kBf16Amx;
-    if ((p->dtype == 1) != bf16_kind || (lin->kind == kFloat32 && p->dtype != 0)) return -1;
+    if ((p.dtype == 1) != bf16_kind || (lin->kind == kFloat32 && p.dtype != 0)) return false;
   }
+  return true;
+}
+
+// One layer whose kinds `layer_kinds_ok` accepted (see `arborlm_fused_decoder_layer`).
+void run_layer(const FusedLayerParams* p, const FusedStep* step, const FusedScratch* s, const void* x,
+               void* residual, int add_residual, void* out) {
   const int dtype = static_cast<int>(p->dtype);
   const int64_t rows = step->rows, H = p->hidden, D = p->head_dim;
   const int64_t q_size = p->num_heads * D, kv_size = p->num_kv_heads * D, qkv_width = q_size + 2 * kv_size;
@@ -271,6 +266,39 @@ int arborlm_fused_decoder_layer(const FusedLayerParams* p, const FusedStep* step
   linear(p->gate_up, p->dtype, s->normed, rows, s->gate_up);
   arborlm_silu_and_mul(dtype, s->gate_up, 2 * p->intermediate, s->act, p->intermediate, rows, p->intermediate);
   linear(p->down, p->dtype, s->act, rows, out);
+}
+
+}  // namespace
+
+extern "C" {
+
+int arborlm_fused_layer_abi_version() { return 4; }
+
+// One decoder layer of a decode step (see the top of the file). x, residual, out:
+// (rows, hidden) contiguous rows. With add_residual 0 (the first layer) the residual
+// stream starts as x: residual must then be x itself (normalised, not added).
+// residual is updated in place; out may be x (x is read first). Returns 0, or -1
+// for a linear layer whose kind the layer's dtype does not take or a quantized weight
+// of an unknown format (nothing written).
+int arborlm_fused_decoder_layer(const FusedLayerParams* p, const FusedStep* step, const FusedScratch* s,
+                                const void* x, void* residual, int add_residual, void* out) {
+  if (!layer_kinds_ok(*p)) return -1;
+  run_layer(p, step, s, x, residual, add_residual, out);
+  return 0;
+}
+
+// n decoder layers of one decode step in order, as n calls of the entry above where
+// layer i + 1 reads layer i's output (in `out`): one call per step instead of one per
+// layer saves the per-layer Python and ctypes work (about 15 us a layer). x, residual,
+// add_residual: the first layer's, as above; out: every layer's output, so the last
+// one's at return (x may be out where add_residual is 1). Returns 0, or -1 when any layer's linears are
+// refused (checked for all layers first: nothing written then).
+int arborlm_fused_decoder_layers(const FusedLayerParams* const* layers, int64_t num_layers, const FusedStep* step,
+                                 const FusedScratch* s, const void* x, void* residual, int add_residual, void* out) {
+  for (int64_t i = 0; i < num_layers; ++i)
+    if (!layer_kinds_ok(*layers[i])) return -1;
+  for (int64_t i = 0; i < num_layers; ++i)
+    run_layer(layers[i], step, s, i == 0 ? x : out, residual, i == 0 ? add_residual : 1, out);
   return 0;
 }
 

@@ -78,6 +78,7 @@ class FusedDecode:
         self._step_key: tuple | None = None
         self._step: fused.StepParams | None = None
         self._scratch: fused.DecodeScratch | None = None
+        self._stack: fused.LayerStack | None = None
 
     @classmethod
     def create(cls, ops, attention_cls: type) -> FusedDecode | None:
@@ -89,14 +90,41 @@ class FusedDecode:
     def __call__(self, layer, hidden: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryStep,
                  forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`layer.forward`'s result through the fused kernel, or None where it does not apply."""
-        meta = forward_batch.attn_metadata
-        if not self.enabled or not isinstance(meta, NativeDecodeMetadata):
+        if not self.enabled or not isinstance(forward_batch.attn_metadata, NativeDecodeMetadata):
             return None
         params = self._layer_params(layer)
-        if params is None or hidden.dtype != params.dtype:
+        if params is None:
             return None
-        step = self._step_params(meta, rotary, forward_batch, params)
-        if step is None or step.rows > params.max_rows:
+        ready = self._prepare(params, params.max_rows, hidden, residual, rotary, forward_batch)
+        if ready is None:
+            return None
+        return fused.run_layer(self.lib, params, *ready, hidden, residual)
+
+    def run_layers(self, layers, hidden: torch.Tensor, rotary: RotaryStep,
+                   forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every decoder layer of `layers` (a model's, in order, the first one starting the
+        residual stream) in one native call: `(hidden, residual)` after the last, as the
+        layers one by one through `__call__` would give them bit for bit; None where any
+        layer does not take the fused call (the caller then runs them one by one)."""
+        if not self.enabled or not isinstance(forward_batch.attn_metadata, NativeDecodeMetadata):
+            return None
+        stack = self._layer_stack(layers)
+        if stack is None:
+            return None
+        ready = self._prepare(stack.layers[0], stack.max_rows, hidden, None, rotary, forward_batch)
+        if ready is None:
+            return None
+        return fused.run_layers(self.lib, stack, *ready, hidden, None)
+
+    def _prepare(self, params: fused.LayerParams, max_rows: int, hidden: torch.Tensor, residual: torch.Tensor | None,
+                 rotary: RotaryStep, forward_batch: ForwardBatch
+                 ) -> tuple[fused.StepParams, fused.DecodeScratch] | None:
+        """The step's params and a scratch that fits, or None where the step's tensors do not
+        take the fused call (dtype, rows beyond `max_rows`, shape, layout)."""
+        if hidden.dtype != params.dtype:
+            return None
+        step = self._step_params(forward_batch.attn_metadata, rotary, forward_batch, params)
+        if step is None or step.rows > max_rows:
             return None
         shape = (step.rows, params.shape.hidden)
         if hidden.shape != shape or not hidden.is_contiguous():
@@ -107,7 +135,18 @@ class FusedDecode:
         scratch = self._scratch
         if scratch is None or not scratch.fits(params.shape, params.dtype, step.rows):
             scratch = self._scratch = fused.DecodeScratch(params.shape, params.dtype, params.max_rows)
-        return fused.run_layer(self.lib, params, step, scratch, hidden, residual)
+        return step, scratch
+
+    def _layer_stack(self, layers) -> fused.LayerStack | None:
+        """The stack of `layers`' params (rebuilt when any layer's params are), or None
+        where one of them has none."""
+        params = tuple(self._layer_params(layer) for layer in layers)
+        if any(p is None for p in params):
+            return None
+        stack = self._stack
+        if stack is None or len(stack.layers) != len(params) or any(a is not b for a, b in zip(stack.layers, params)):
+            stack = self._stack = fused.layer_stack(params)
+        return stack
 
     def _layer_params(self, layer) -> fused.LayerParams | None:
         entry = self._layers.get(id(layer))

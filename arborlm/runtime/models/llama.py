@@ -184,12 +184,20 @@ class LlamaModel(nn.Module):
         self.fused_decode = FusedDecode.create(ops, LlamaAttention)
         for layer in self.layers:
             layer.fused_decode = self.fused_decode
+        # One native call for all layers only where each layer's forward is this one (which
+        # would take the fused call itself): a subclass's own forward keeps its modules.
+        self._stack_fused = all(type(layer).forward is LlamaDecoderLayer.forward for layer in self.layers)
 
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """(num_tokens, hidden_size) hidden states of the new tokens, before the final norm."""
         self.attn_backend.init_forward_metadata(forward_batch)
         hidden = self.embed_tokens(forward_batch.input_ids)
         rotary = self.rotary_emb.step(forward_batch.positions, forward_batch)
+        fused = None if self.fused_decode is None or not self._stack_fused else self.fused_decode.run_layers(
+            self.layers, hidden, rotary, forward_batch)
+        if fused is not None:  # every layer in one native call (decode steps on the CPU kernels)
+            hidden, residual = fused
+            return hidden + residual
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, rotary, forward_batch)
