@@ -988,7 +988,7 @@ inline void tile_values(const float* __restrict p, const float* __restrict vt, i
 // Scratch of one thread for `extend_tile_block`: the widened K tile (head_dim x keys,
 // transposed), the V tile (keys x head_dim), query rows, the tile's scores / probabilities,
 // and per query row its accumulator, running max and running sum.
-struct ExtendScratch {
+struct TiledExtendScratch {
   std::vector<float> kt, vt, q, s, acc, mx, sum;
 };
 
@@ -1002,7 +1002,7 @@ template <typename T, typename E>
 void extend_tile_block(const T* q, int64_t q_stride, const E* k_buffer, const E* v_buffer, const uint16_t* k_scale,
                        const uint16_t* v_scale, const int32_t* slots, int64_t prefix, int64_t row0, int64_t rows,
                        int64_t kv_heads, int64_t head, int64_t group, int64_t head_dim, float scale, int64_t window,
-                       float logit_cap, T* out, int64_t out_stride, ExtendScratch& sc) {
+                       float logit_cap, T* out, int64_t out_stride, TiledExtendScratch& sc) {
   const int64_t D = head_dim, R = rows * group, R4 = (R + kBlockRows - 1) / kBlockRows * kBlockRows;
   const int64_t D16 = D / kBlockLanes * kBlockLanes;
   sc.kt.assign(D * kTileKeys, 0.f);
@@ -1095,7 +1095,7 @@ void extend_attention_tiled(const T* q, int64_t q_stride, const E* k_buffer, con
   const int64_t items = static_cast<int64_t>(blocks.size()) * kv_heads;
 #pragma omp parallel if (work * q_heads * head_dim >= kParallelWork && items > 1)
   {
-    ExtendScratch scratch;
+    TiledExtendScratch scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const auto [b, row0] = blocks[item / kv_heads];
