@@ -557,7 +557,7 @@ def test_decode_attention_over_one_byte_pool(ops, dtype, kv_dtype, group, head_d
     """Read in place and widened in registers: equals the kernel over a pool of q's
     dtype holding the widened values (float32 within rounding, bf16 within one ulp of
     the float32 oracle over them)."""
-    q, k_buffer, v_buffer, *pool = decode_case([1, 9, 40, 133], 2, group, head_dim, dtype)
+    q, k_buffer, v_buffer, *pool = decode_case([1, 9, 40, 133, 300], 2, group, head_dim, dtype)  # 300: split
     (k8, k_scale, k_wide), (v8, v_scale, v_wide) = (one_byte_pool(b, kv_dtype) for b in (k_buffer, v_buffer))
     scales = None if k_scale is None else (k_scale, v_scale)
     assert ops.can_decode(q, k8, v8, pool[0], kv_scales=scales)

@@ -484,8 +484,9 @@ void rotary_rows(T* x, int64_t token_stride, int64_t tokens, int64_t heads, int6
   }
 }
 
-// Softmax over `len` float32 scores in place (max-subtracted).
-inline void softmax_inplace(float* sg, int64_t len) {
+// Softmax over `len` float32 scores in place (max-subtracted); returns their
+// log-sum-exp, max + log(sum of exp(s - max)), what merging split-K parts needs.
+inline float softmax_inplace(float* sg, int64_t len) {
   float mx = -INFINITY;
   int64_t t = 0;
 #if defined(__AVX512F__)
@@ -512,6 +513,7 @@ inline void softmax_inplace(float* sg, int64_t len) {
   }
   const float inv = 1.f / denom;
   for (t = 0; t < len; ++t) sg[t] *= inv;
+  return mx + std::log(denom);
 }
 
 inline float capped(float dot, float scale, float logit_cap) {
@@ -541,10 +543,10 @@ inline const E* pool_row(const E* buffer, const int32_t* slots, int64_t t, int64
 // G * C output accumulators stay in registers (G * C <= 16 of the 32 zmm). K/V rows
 // are of element type E, widened on load; an int8 row's scale multiplies its score
 // (K) or its probability (V), once per row instead of once per element.
-template <typename T, typename E, int C, int G>
+template <typename T, typename E, typename O, int C, int G>
 void decode_tile(const T* q, const E* k_buffer, const E* v_buffer, const uint16_t* k_scale, const uint16_t* v_scale,
                  const int32_t* slots, int64_t len, int64_t kv_heads, int64_t head, float scale, float logit_cap,
-                 T* out, float* scores) {
+                 O* out, float* lse, float* scores) {
   constexpr int64_t D = 16 * C;
   __m512 qv[G][C];
   for (int g = 0; g < G; ++g)
@@ -560,7 +562,10 @@ void decode_tile(const T* q, const E* k_buffer, const E* v_buffer, const uint16_
       scores[g * len + t] = capped(_mm512_reduce_add_ps(sum) * ks, scale, logit_cap);
     }
   }
-  for (int g = 0; g < G; ++g) softmax_inplace(scores + g * len, len);
+  for (int g = 0; g < G; ++g) {
+    const float l = softmax_inplace(scores + g * len, len);
+    if (lse != nullptr) lse[g] = l;
+  }
   __m512 acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
@@ -578,36 +583,38 @@ void decode_tile(const T* q, const E* k_buffer, const E* v_buffer, const uint16_
     for (int c = 0; c < C; ++c) store16(out + g * D + c * 16, acc[g][c]);
 }
 
-// Run `decode_tile<T, E, C, G>` over the `group` query heads of one KV head, G at a time.
-template <typename T, typename E, int C, int G>
+// Run `decode_tile<T, E, O, C, G>` over the `group` query heads of one KV head, G at a time.
+template <typename T, typename E, typename O, int C, int G>
 void decode_tiles(const T* q, const E* k_buffer, const E* v_buffer, const uint16_t* k_scale, const uint16_t* v_scale,
                   const int32_t* slots, int64_t len, int64_t kv_heads, int64_t head, int64_t group, float scale,
-                  float logit_cap, T* out, float* scores) {
+                  float logit_cap, O* out, float* lse, float* scores) {
   constexpr int64_t D = 16 * C;
   for (int64_t g0 = 0; g0 < group; g0 += G)
-    decode_tile<T, E, C, G>(q + (head * group + g0) * D, k_buffer, v_buffer, k_scale, v_scale, slots, len, kv_heads,
-                            head, scale, logit_cap, out + (head * group + g0) * D, scores);
+    decode_tile<T, E, O, C, G>(q + (head * group + g0) * D, k_buffer, v_buffer, k_scale, v_scale, slots, len,
+                               kv_heads, head, scale, logit_cap, out + (head * group + g0) * D,
+                               lse == nullptr ? nullptr : lse + head * group + g0, scores);
 }
 
 // The register-tiled path for head_dim 64 or 128 and a group size it divides
 // evenly; false when it does not apply (the caller takes the generic path).
-template <typename T, typename E>
+template <typename T, typename E, typename O>
 bool decode_tiled(const T* q, const E* k_buffer, const E* v_buffer, const uint16_t* k_scale, const uint16_t* v_scale,
                   const int32_t* slots, int64_t len, int64_t kv_heads, int64_t head, int64_t group, int64_t head_dim,
-                  float scale, float logit_cap, T* out, float* scores) {
+                  float scale, float logit_cap, O* out, float* lse, float* scores) {
   const auto run = [&](auto tiles) {
-    tiles(q, k_buffer, v_buffer, k_scale, v_scale, slots, len, kv_heads, head, group, scale, logit_cap, out, scores);
+    tiles(q, k_buffer, v_buffer, k_scale, v_scale, slots, len, kv_heads, head, group, scale, logit_cap, out, lse,
+          scores);
     return true;
   };
   if (head_dim == 64) {
-    if (group % 4 == 0) return run(decode_tiles<T, E, 4, 4>);
-    if (group % 3 == 0) return run(decode_tiles<T, E, 4, 3>);
-    if (group % 2 == 0) return run(decode_tiles<T, E, 4, 2>);
-    return run(decode_tiles<T, E, 4, 1>);
+    if (group % 4 == 0) return run(decode_tiles<T, E, O, 4, 4>);
+    if (group % 3 == 0) return run(decode_tiles<T, E, O, 4, 3>);
+    if (group % 2 == 0) return run(decode_tiles<T, E, O, 4, 2>);
+    return run(decode_tiles<T, E, O, 4, 1>);
   }
   if (head_dim == 128) {
-    if (group % 2 == 0) return run(decode_tiles<T, E, 8, 2>);
-    return run(decode_tiles<T, E, 8, 1>);
+    if (group % 2 == 0) return run(decode_tiles<T, E, O, 8, 2>);
+    return run(decode_tiles<T, E, O, 8, 1>);
   }
   return false;
 }
@@ -621,11 +628,14 @@ bool decode_tiled(const T* q, const E* k_buffer, const E* v_buffer, const uint16
 // one chain pair per (head, 8 dims). Without these every AVX2 decode step attended in
 // scalar code (at 256 keys most of a quantized decode step's time).
 // softmax over s[0, len) in place: max and sum in lanes, exp of the shifted scores.
-inline void softmax_lanes(float* s, int64_t len) {
+// Returns the scores' log-sum-exp (as `softmax_inplace`).
+inline float softmax_lanes(float* s, int64_t len) {
   const float mx = range_max(s, 0, len);
   for (int64_t t = 0; t < len; ++t) s[t] = exp_nonpositive(s[t] - mx);
-  const float inv = 1.f / range_sum(s, 0, len);
+  const float denom = range_sum(s, 0, len);
+  const float inv = 1.f / denom;
   for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+  return mx + std::log(denom);
 }
 
 // Row t of a pool layer (slot slots[t], KV head `head`, head_dim D), after prefetching
@@ -676,15 +686,15 @@ void pv_heads(const float* p, int64_t len, const E* v_buffer, const int32_t* slo
   for (; col < D; col += 8) pv_block<E, G, 1>(p, len, v_buffer, slots, kv_heads, head, D, col, acc);
 }
 
-// `decode_one` for head_dim a multiple of 8 (`krow`: a float32 row of scratch, `acc`:
+// `decode_range` for head_dim a multiple of 8 (`krow`: a float32 row of scratch, `acc`:
 // group * head_dim floats). Scores: each K row (prefetched ahead, widened once) dotted
 // with every head of the group in 8-lane FMA chains; softmax in lanes; probs @ V by
 // `pv_heads`, up to 4 heads of the group per pass over V.
-template <typename T, typename E>
+template <typename O, typename E>
 void decode_avx2(const float* qf, const E* k_buffer, const E* v_buffer, const uint16_t* k_scale,
                  const uint16_t* v_scale, const int32_t* slots, int64_t len, int64_t kv_heads, int64_t head,
-                 int64_t group, int64_t head_dim, float scale, float logit_cap, T* out, float* scores, float* krow,
-                 float* acc) {
+                 int64_t group, int64_t head_dim, float scale, float logit_cap, O* out, float* lse, float* scores,
+                 float* krow, float* acc) {
   const int64_t D = head_dim;
   for (int64_t t = 0; t < len; ++t) {
     const E* k = pool_row_ahead(k_buffer, slots, t, len, kv_heads, head, D);
@@ -707,7 +717,10 @@ void decode_avx2(const float* qf, const E* k_buffer, const E* v_buffer, const ui
       scores[g * len + t] = capped(hsum8(_mm256_add_ps(a0, a1)) * ks, scale, logit_cap);
     }
   }
-  for (int64_t g = 0; g < group; ++g) softmax_lanes(scores + g * len, len);
+  for (int64_t g = 0; g < group; ++g) {
+    const float l = softmax_lanes(scores + g * len, len);
+    if (lse != nullptr) lse[head * group + g] = l;
+  }
   if constexpr (std::is_same_v<E, int8_t>) {  // an int8 row's V scale folds into its probabilities
     for (int64_t t = 0; t < len; ++t) {
       const float vs = row_scale<E>(v_scale, slots[t], kv_heads, head);
@@ -725,28 +738,29 @@ void decode_avx2(const float* qf, const E* k_buffer, const E* v_buffer, const ui
 }
 #endif
 
-// Scratch of one thread for `decode_one`, reused across its (request, head) items.
+// Scratch of one thread for `decode_range`, reused across its items.
 struct DecodeScratch {
   std::vector<float> scores, acc, q, krow;
 };
 
-// One request, one KV head: every query head of its group attends over the
-// request's keys, read in place from the pool through its `req_to_token` row.
+// One request, one KV head, the keys at slots[0, len) (all of the request's keys the
+// window leaves, or one split-K chunk of them): every query head of its group attends
+// over them, read in place from the pool through the request's `req_to_token` row.
 // Scores and the softmax are float32; each K and V row is loaded once per group.
 // K/V are of element type E (T itself, or a one-byte type with `k_scale` /
-// `v_scale` for int8; see `row_scale`).
-template <typename T, typename E = T>
-void decode_one(const T* q, const E* k_buffer, const E* v_buffer, const int32_t* slots, int64_t seq_len,
-                int64_t kv_heads, int64_t head, int64_t group, int64_t head_dim, float scale, int64_t window,
-                float logit_cap, T* out, DecodeScratch& scratch, const uint16_t* k_scale = nullptr,
-                const uint16_t* v_scale = nullptr) {
-  const int64_t start = (window > 0 && seq_len > window) ? seq_len - window : 0;
-  const int64_t len = seq_len - start;
+// `v_scale` for int8; see `row_scale`). out: the q row's heads (q_heads * head_dim
+// of type O: T, or float32 for a chunk's part); lse, when not null: each query head's
+// log-sum-exp of its scores (q_heads floats, this group's written), to merge chunks.
+template <typename T, typename E, typename O>
+void decode_range(const T* q, const E* k_buffer, const E* v_buffer, const int32_t* slots, int64_t len,
+                  int64_t kv_heads, int64_t head, int64_t group, int64_t head_dim, float scale, float logit_cap,
+                  O* out, float* lse, DecodeScratch& scratch, const uint16_t* k_scale, const uint16_t* v_scale) {
+  constexpr int64_t start = 0;
   const int64_t vec = vector_end(head_dim);
   scratch.scores.resize(group * len);
 #if defined(__AVX512F__)
-  if (decode_tiled(q, k_buffer, v_buffer, k_scale, v_scale, slots + start, len, kv_heads, head, group, head_dim, scale,
-                   logit_cap, out, scratch.scores.data()))
+  if (decode_tiled(q, k_buffer, v_buffer, k_scale, v_scale, slots, len, kv_heads, head, group, head_dim, scale,
+                   logit_cap, out, lse, scratch.scores.data()))
     return;
 #endif
   scratch.acc.assign(group * head_dim, 0.f);
@@ -759,8 +773,8 @@ void decode_one(const T* q, const E* k_buffer, const E* v_buffer, const int32_t*
 #if defined(ARBORLM_AVX2_LANES)
   if (head_dim % 8 == 0) {
     scratch.krow.resize(head_dim);
-    decode_avx2(qf, k_buffer, v_buffer, k_scale, v_scale, slots + start, len, kv_heads, head, group, head_dim, scale,
-                logit_cap, out, scores, scratch.krow.data(), acc);
+    decode_avx2(qf, k_buffer, v_buffer, k_scale, v_scale, slots, len, kv_heads, head, group, head_dim, scale,
+                logit_cap, out, lse, scores, scratch.krow.data(), acc);
     return;
   }
 #endif
@@ -781,7 +795,10 @@ void decode_one(const T* q, const E* k_buffer, const E* v_buffer, const int32_t*
       scores[g * len + t] = capped(dot * ks, scale, logit_cap);
     }
   }
-  for (int64_t g = 0; g < group; ++g) softmax_inplace(scores + g * len, len);
+  for (int64_t g = 0; g < group; ++g) {
+    const float l = softmax_inplace(scores + g * len, len);
+    if (lse != nullptr) lse[head * group + g] = l;
+  }
   // An int8 row's V scale folds into its probabilities (rows of every group head).
   if constexpr (std::is_same_v<E, int8_t>) {
     for (int64_t t = 0; t < len; ++t) {
@@ -855,6 +872,52 @@ void store_kv_int8(const T* rows, int64_t stride, const int64_t* loc, int64_t to
     }
 }
 
+// Split-K (flash-decoding, Dao et al. 2023; FlashInfer's merge_state): a request's keys
+// are cut into chunks of at least kSplitMinKeys, each (request, KV head, chunk) is one
+// work item, and the chunks' normalised parts are merged by their log-sum-exps. At a
+// few requests the (request, KV head) items alone are fewer than the threads or split
+// unevenly over them (SmolLM2's 3 KV heads on 2 threads: one thread idle a third of
+// the time). The chunking depends on the sequence length only, never on the batch or
+// the thread count, so a request's output is the same in any batch.
+constexpr int64_t kSplitMinKeys = 128;
+
+inline int64_t split_chunks(int64_t len) { return std::max<int64_t>(1, len / kSplitMinKeys); }
+
+// Keys [lo, hi) of chunk c of n over `len` keys: equal parts, the first len % n one longer.
+inline std::pair<int64_t, int64_t> chunk_range(int64_t len, int64_t n, int64_t c) {
+  const int64_t base = len / n, extra = len % n;
+  const int64_t lo = c * base + std::min(c, extra);
+  return {lo, lo + base + (c < extra ? 1 : 0)};
+}
+
+// out[head g, :] = sum_c w_c part_c[g, :] / sum_c w_c, w_c = exp(lse_c[g] - max_c lse_c[g]),
+// for the group of query heads of KV head `head`. parts: n rows of q_heads * D floats;
+// lses: n rows of q_heads.
+template <typename T>
+void merge_chunks(const float* parts, const float* lses, int64_t n, int64_t q_heads, int64_t head, int64_t group,
+                  int64_t D, T* out) {
+  std::vector<float> acc(D);
+  for (int64_t g = head * group; g < (head + 1) * group; ++g) {
+    float mx = -INFINITY;
+    for (int64_t c = 0; c < n; ++c) mx = std::max(mx, lses[c * q_heads + g]);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    float total = 0.f;
+    for (int64_t c = 0; c < n; ++c) {
+      const float w = std::exp(lses[c * q_heads + g] - mx);
+      const float* part = parts + c * q_heads * D + g * D;
+      total += w;
+      for (int64_t d = 0; d < D; ++d) acc[d] += w * part[d];
+    }
+    const float inv = 1.f / total;
+    for (int64_t d = 0; d < D; ++d) store(out + g * D, d, acc[d] * inv);
+  }
+}
+
+// One (request, KV head, chunk) item of `decode_attention`.
+struct DecodeItem {
+  int64_t b, head, chunk;
+};
+
 template <typename T, typename E>
 void decode_attention(const T* q, int64_t q_stride, const E* k_buffer, const E* v_buffer, const uint16_t* k_scale,
                       const uint16_t* v_scale, const int32_t* req_to_token, int64_t req_to_token_stride,
@@ -863,17 +926,48 @@ void decode_attention(const T* q, int64_t q_stride, const E* k_buffer, const E* 
                       int64_t out_stride) {
   const int64_t group = q_heads / kv_heads;
   int64_t work = 0;
-  for (int64_t b = 0; b < batch; ++b) work += seq_lens[b];
+  // Per request: the first key the window leaves, its key count, its chunks, and the
+  // first row of its chunks' parts (requests of one chunk write `out` directly).
+  std::vector<int64_t> start(batch), len(batch), chunks(batch), part_row(batch);
+  std::vector<DecodeItem> items;
+  int64_t part_rows = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    start[b] = (window > 0 && seq_lens[b] > window) ? seq_lens[b] - window : 0;
+    len[b] = seq_lens[b] - start[b];
+    chunks[b] = split_chunks(len[b]);
+    part_row[b] = part_rows;
+    if (chunks[b] > 1) part_rows += chunks[b];
+    work += seq_lens[b];
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t c = 0; c < chunks[b]; ++c) items.push_back({b, h, c});
+  }
   work *= q_heads * head_dim;
+  std::vector<float> parts(part_rows * q_heads * head_dim), lses(part_rows * q_heads);
+  const int64_t num_items = static_cast<int64_t>(items.size());
 #pragma omp parallel if (work >= kParallelWork)
   {
     DecodeScratch scratch;
-#pragma omp for collapse(2) schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_items; ++i) {
+      const DecodeItem it = items[i];
+      const int32_t* slots = req_to_token + req_pool_indices[it.b] * req_to_token_stride + start[it.b];
+      const T* qb = q + it.b * q_stride;
+      if (chunks[it.b] == 1) {
+        decode_range(qb, k_buffer, v_buffer, slots, len[it.b], kv_heads, it.head, group, head_dim, scale, logit_cap,
+                     out + it.b * out_stride, static_cast<float*>(nullptr), scratch, k_scale, v_scale);
+        continue;
+      }
+      const auto [lo, hi] = chunk_range(len[it.b], chunks[it.b], it.chunk);
+      const int64_t row = part_row[it.b] + it.chunk;
+      decode_range(qb, k_buffer, v_buffer, slots + lo, hi - lo, kv_heads, it.head, group, head_dim, scale, logit_cap,
+                   parts.data() + row * q_heads * head_dim, lses.data() + row * q_heads, scratch, k_scale, v_scale);
+    }
+#pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < batch; ++b)
       for (int64_t h = 0; h < kv_heads; ++h)
-        decode_one(q + b * q_stride, k_buffer, v_buffer, req_to_token + req_pool_indices[b] * req_to_token_stride,
-                   seq_lens[b], kv_heads, h, group, head_dim, scale, window, logit_cap, out + b * out_stride,
-                   scratch, k_scale, v_scale);
+        if (chunks[b] > 1)
+          merge_chunks(parts.data() + part_row[b] * q_heads * head_dim, lses.data() + part_row[b] * q_heads,
+                       chunks[b], q_heads, h, group, head_dim, out + b * out_stride);
   }
 }
 
@@ -1404,7 +1498,7 @@ void extend_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* 
                            int64_t batch, const ExtendShape& sh, uint16_t* out, int64_t out_stride) {
   // Keys packed per (request, KV head) for requests of several new tokens; a
   // one-token request (a decode token riding along) reads the pool in place
-  // through `decode_one`, which costs less than packing its keys.
+  // through `decode_range`, which costs less than packing its keys.
   auto packed_keys = [&](int64_t b) {
     return extend_lens[b] > 1 ? (seq_lens[b] + kAmxBlockN - 1) / kAmxBlockN * kAmxBlockN : int64_t{0};
   };
@@ -1442,8 +1536,11 @@ void extend_attention_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* 
       const uint16_t* q_b = q + extend_starts[b] * q_stride;
       uint16_t* out_b = out + extend_starts[b] * out_stride;
       if (extend_lens[b] == 1) {
-        decode_one(q_b, k_buffer, v_buffer, req_to_token + req_pool_indices[b] * req_to_token_stride, seq_lens[b],
-                   sh.kv_heads, h, sh.group, sh.head_dim, sh.scale, sh.window, sh.logit_cap, out_b, decode_scratch);
+        const int64_t first = (sh.window > 0 && seq_lens[b] > sh.window) ? seq_lens[b] - sh.window : 0;
+        decode_range(q_b, k_buffer, v_buffer, req_to_token + req_pool_indices[b] * req_to_token_stride + first,
+                     seq_lens[b] - first, sh.kv_heads, h, sh.group, sh.head_dim, sh.scale, sh.logit_cap, out_b,
+                     static_cast<float*>(nullptr), decode_scratch, static_cast<const uint16_t*>(nullptr),
+                     static_cast<const uint16_t*>(nullptr));
         continue;
       }
       const int64_t t0 = (block - block_starts[b]) * sh.tokens_per_block;
