@@ -203,7 +203,7 @@ def instrumented(scheduler: Scheduler, timer: PartTimer) -> Iterator[None]:
         stack.enter_context(patched(scheduler.model_runner, "forward",
                                     timer.wrap("_forward", scheduler.model_runner.forward)))
         fused = getattr(model.model, "fused_decode", None)
-        if fused is not None:  # all layers in one call: no layer hook fires (`LlamaModel.forward`)
+        if hasattr(fused, "run_layers"):  # all layers in one call: no layer hook fires (`LlamaModel.forward`)
             stack.enter_context(patched(fused, "run_layers", timer.wrap("_fused_stack", fused.run_layers)))
         stack.enter_context(patched(worker.grammar_masker, "apply_grammar_masks",
                                     timer.wrap("grammar mask", worker.grammar_masker.apply_grammar_masks)))
