@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing as mp
+import os
 import shutil
 import signal
 import sys
@@ -46,6 +47,13 @@ MONITOR_INTERVAL_S = 1.0
 # is reported: `timeout` and systemd's cgroup kill send SIGTERM to every process at once.
 SIGTERM_GRACE_S = 2.0
 STOP_TIMEOUT_S = 10.0
+# How long libgomp's threads spin for the next parallel region before they sleep (its default
+# is 300000 spins; `GOMP_SPINCOUNT`). Between decode steps the scheduler runs a millisecond or
+# two of Python while its OpenMP threads spin, on the cores the HTTP front needs to write the
+# step's tokens; spinning less lets them sleep there and still spans the gaps between one
+# step's kernels. Served at 1 client on 2 cores: 1.06-1.10x output tok/s, level at 8 clients
+# (docs/decode_step.md).
+SCHEDULER_GOMP_SPINCOUNT = "100000"
 
 
 @contextlib.contextmanager
@@ -69,6 +77,21 @@ def _main_module_not_reimported():
         main.__spec__ = saved_spec
         if saved_file is not None:
             main.__file__ = saved_file
+
+
+@contextlib.contextmanager
+def _scheduler_environment():
+    """Spawned children start with `GOMP_SPINCOUNT` at `SCHEDULER_GOMP_SPINCOUNT`, unless the
+    user set it or `OMP_WAIT_POLICY`; the parent's own environment is as before on exit
+    (a spawned child copies it when it starts, and libgomp reads it once, at load)."""
+    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
+        yield
+        return
+    os.environ["GOMP_SPINCOUNT"] = SCHEDULER_GOMP_SPINCOUNT
+    try:
+        yield
+    finally:
+        os.environ.pop("GOMP_SPINCOUNT", None)
 
 
 @dataclass
@@ -162,7 +185,7 @@ def launch_scheduler(server_args: ServerArgs, start_timeout_s: float = SCHEDULER
     """
     ipc_dir = tempfile.mkdtemp(prefix="arborlm-")
     ctx = mp.get_context("spawn")
-    with _main_module_not_reimported():
+    with _main_module_not_reimported(), _scheduler_environment():
         tp_workers = launch_tp_workers(server_args, ctx)
     port_args = PortArgs(
         scheduler_input=f"ipc://{ipc_dir}/scheduler_input",
@@ -171,7 +194,7 @@ def launch_scheduler(server_args: ServerArgs, start_timeout_s: float = SCHEDULER
     )
     reader, writer = ctx.Pipe(duplex=False)
     process = ctx.Process(target=run_scheduler_process, args=(server_args, port_args, writer), daemon=True)
-    with _main_module_not_reimported():
+    with _main_module_not_reimported(), _scheduler_environment():
         process.start()
     writer.close()
     try:
