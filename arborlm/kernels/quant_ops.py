@@ -3,12 +3,12 @@
 `QuantizedLinear` and `QuantizedEmbedding` (`runtime/layers/quantization/`) call
 these ops with the weights `quant_layout.pack_ggml_blocks` packed at load:
 
-- `linear`: for decode-sized inputs (up to `INT8_MAX_ROWS` rows) the C++ kernel
-  of `csrc/quant_linear.cpp` streams each weight block once per call, quantizing
-  the activations to int8 per block of 32 and taking VNNI dot products (ggml's
-  Q8_0 x Q8_0 / Q4_x x Q8_1 scheme); longer inputs (prefills) dequantize the
-  weight to the activations' dtype (`csrc/quant_dequant.cpp`) and run one oneDNN
-  GEMM, which is faster there;
+- `linear`: for decode-sized inputs (up to `int8_max_rows(dtype)` rows: 64 in bf16,
+  4096 in float32) the C++ kernel of `csrc/quant_linear.cpp` streams each weight
+  block once per call, quantizing the activations to int8 per block of 32 and taking
+  VNNI dot products (ggml's Q8_0 x Q8_0 / Q4_x x Q8_1 scheme); longer inputs
+  (prefills) dequantize the weight to the activations' dtype (`csrc/quant_dequant.cpp`)
+  and run one GEMM, which is faster there;
 - `embedding`: dequantizes only the looked-up rows.
 
 `QuantOps` is the same interface in torch (`quant_reference.py`): the fallback
@@ -44,9 +44,15 @@ SOURCES = (CSRC / "quant_layout.h", CSRC / "quant_linear.cpp", CSRC / "quant_deq
 ABI_VERSION = 2
 # `arborlm_quant_simd`'s codes.
 SIMD_NAMES = {0: "scalar", 1: "avx512_vnni", 2: "avx2"}
-# Rows up to which the int8 kernel runs; more rows dequantize the weight and take
-# oneDNN's bf16 GEMM (see docs/benchmarks.md, "Quantized weights").
+# Rows up to which the int8 kernel runs (`int8_max_rows`); more rows dequantize the weight
+# and take torch's GEMM. bf16 activations: 64, past which oneDNN's bf16 GEMM (AVX-512 BF16,
+# AMX) overtakes the int8 dot products (docs/benchmarks.md, "Quantized weights"). float32
+# activations (`auto` on CPUs without bf16): 4096 (a whole default prefill batch,
+# `max_prefill_tokens`); on an AVX2 EPYC the int8 kernel took 0.23-0.88x the time of the
+# float32 GEMM over the dequantized weight from 65 to 4096 rows, level with it (1.01x) only
+# for the 49152-row lm_head at 4096 (docs/kernels.md, "Prefills through the int8 kernel").
 INT8_MAX_ROWS = 64
+INT8_MAX_ROWS_FLOAT32 = 4096
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
@@ -55,6 +61,12 @@ _SIGNATURES = {
     "arborlm_quant_linear": ((_ptr, _i64, _int, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64), _int),
     "arborlm_quant_dequantize": ((_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _int), _int),
 }
+
+
+def int8_max_rows(dtype: torch.dtype) -> int:
+    """The most rows of activations in `dtype` that `NativeQuantOps.linear` runs through the
+    int8 kernel (more take the dequantized GEMM)."""
+    return INT8_MAX_ROWS_FLOAT32 if dtype == torch.float32 else INT8_MAX_ROWS
 
 
 class StackedWeights(tuple):
@@ -155,7 +167,7 @@ class NativeQuantOps(QuantOps):
         )
         if not ok:
             return super().linear(x, weights, bias)
-        if x.shape[0] > INT8_MAX_ROWS:
+        if x.shape[0] > int8_max_rows(x.dtype):
             return self._dequantized_linear(x, weights, bias)
         args = getattr(weights, "native_args", None) or self.prepare(weights).native_args
         num_parts, fmts, ptrs, heights, out_features, _ = args

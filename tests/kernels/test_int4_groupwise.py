@@ -75,7 +75,7 @@ def test_unknown_group_size_is_refused():
 
 
 @pytest.mark.parametrize("group_size", [32, 128])
-@pytest.mark.parametrize("rows", [1, 8, 33, 65])
+@pytest.mark.parametrize("rows", [1, 8, 33, 65, 4097])
 def test_native_kernel_serves_int4_weights(rows, group_size):
     ops = quant_ops.quant_ops("cpu")
     if not ops.native:
@@ -86,7 +86,7 @@ def test_native_kernel_serves_int4_weights(rows, group_size):
     bias = torch.randn(45)
     got = ops.linear(x, packed, bias)
     oracle = quant_ops.QuantOps().linear(x, packed, bias)  # the torch path: dequantize, matmul
-    if rows <= quant_ops.INT8_MAX_ROWS:  # int8 activations: the emulation to rounding, the matmul to noise
+    if rows <= quant_ops.int8_max_rows(x.dtype):  # int8 activations: the emulation to rounding, the matmul to noise
         emulated = quant_reference.int8_linear(x, packed[0], bias).float()
         torch.testing.assert_close(got, emulated, atol=1e-4, rtol=1e-4)
         assert float((got - oracle).norm() / oracle.norm()) < 0.02

@@ -51,7 +51,7 @@ def test_unpackable_shapes_are_refused(shape):
         pack_int8_per_channel(torch.ones(shape))
 
 
-@pytest.mark.parametrize("rows", [1, 7, 64, 65])
+@pytest.mark.parametrize("rows", [1, 7, 64, 65, 4097])
 def test_native_kernel_serves_int8_weights(rows):
     ops = quant_ops.quant_ops("cpu")
     if not ops.native:
@@ -62,7 +62,7 @@ def test_native_kernel_serves_int8_weights(rows):
     bias = torch.randn(40)
     got = ops.linear(x, packed, bias)
     exact = torch.nn.functional.linear(x, quant_reference.dequantize(packed[0]), bias)
-    if rows <= quant_ops.INT8_MAX_ROWS:  # int8 activations: the emulation to rounding, the matmul to noise
+    if rows <= quant_ops.int8_max_rows(x.dtype):  # int8 activations: the emulation to rounding, the matmul to noise
         emulated = quant_reference.int8_linear(x, packed[0], bias).float()
         torch.testing.assert_close(got, emulated, atol=1e-4, rtol=1e-4)
         assert float((got - exact).norm() / exact.norm()) < 0.02

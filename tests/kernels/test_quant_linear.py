@@ -6,7 +6,7 @@ K-quants (the package has no K-quant quantizer; every bit pattern is a valid blo
 then packed with `pack_ggml_blocks`. Oracles:
 
 - `gguf.quants.dequantize`: our packing must give back exactly its values, the
-  embedding rows too, and the prefill path (more than `INT8_MAX_ROWS` rows, the
+  embedding rows too, and the prefill path (more than `int8_max_rows(dtype)` rows, the
   weight dequantized then one GEMM) its matmul within float rounding;
 - `quant_reference.int8_linear` (ggml's per-block int8 rounding of the activations
   spelled out in float64): the decode kernel within float32 rounding;
@@ -31,7 +31,7 @@ gguf = pytest.importorskip("gguf")
 
 from arborlm.kernels import cpu_ops, quant_ops, quant_reference  # noqa: E402
 from arborlm.kernels.quant_layout import QUANT_FORMATS, cat_rows, pack_ggml_blocks, unpack_rows  # noqa: E402
-from arborlm.kernels.quant_ops import INT8_MAX_ROWS, NativeQuantOps, QuantOps  # noqa: E402
+from arborlm.kernels.quant_ops import NativeQuantOps, QuantOps, int8_max_rows  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 GGML_TYPES = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q4_1": T.Q4_1, "q4_k": T.Q4_K, "q5_k": T.Q5_K, "q6_k": T.Q6_K}
@@ -127,13 +127,34 @@ def test_native_linear_float32(native_ops, fmt, shape, rows):
     got = native_ops.linear(x, [weight])
     assert got.dtype == torch.float32 and got.shape == (rows, shape[0])
     oracle = x.double() @ values.double().T
-    if rows <= INT8_MAX_ROWS:
+    if rows <= int8_max_rows(torch.float32):
         emulated = quant_reference.int8_linear(x, weight)
         scale = emulated.abs().max().clamp_min(1e-30)
         assert float((got.double() - emulated).abs().max() / scale) < 1e-5
         assert int8_noise(got, x, values) < INT8_NOISE
     else:  # the prefill path: float32 matmul over the exact dequantized weight
         assert rel_err(got, oracle) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", list(GGML_TYPES))
+def test_native_linear_rows_do_not_depend_on_each_other(native_ops, fmt):
+    """Each row's output is the same bits alone, in a batch of 300 rows (a prefill through
+    the int8 kernel) and in any slice of it: a prompt gives the same K/V prefilled in
+    chunks, in a batch or alone."""
+    weight, _ = packed(fmt, 33, width(fmt))
+    x = inputs(300, width(fmt))
+    full = native_ops.linear(x, [weight])
+    for lo, hi in ((0, 1), (7, 8), (8, 9), (150, 151), (299, 300), (100, 200), (3, 67)):
+        assert torch.equal(native_ops.linear(x[lo:hi], [weight]), full[lo:hi]), (lo, hi)
+
+
+@pytest.mark.parametrize("fmt", list(GGML_TYPES))
+def test_native_linear_float32_past_the_int8_bound(native_ops, fmt):
+    """More rows than `int8_max_rows(float32)` (a prefill batch past it): the weight
+    dequantized, then one float32 GEMM, within float rounding of the exact matmul."""
+    weight, values = packed(fmt, 7, width(fmt))
+    x = inputs(int8_max_rows(torch.float32) + 1, width(fmt))
+    assert rel_err(native_ops.linear(x, [weight]), x.double() @ values.double().T) < 1e-5
 
 
 @pytest.mark.parametrize("fmt", list(GGML_TYPES))
@@ -144,10 +165,10 @@ def test_native_linear_bf16_with_bias(native_ops, fmt, rows):
     bias = torch.randn(33, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     got = native_ops.linear(x, [weight], bias)
     assert got.dtype == torch.bfloat16
-    if rows <= INT8_MAX_ROWS:  # float32 sums, one rounding to bf16
+    if rows <= int8_max_rows(torch.bfloat16):  # float32 sums, one rounding to bf16
         want = (quant_reference.int8_linear(x, weight, bias)).float()
         assert torch.allclose(got.float(), want, rtol=1 / 128, atol=1e-2)
-    if rows <= INT8_MAX_ROWS:
+    if rows <= int8_max_rows(torch.bfloat16):
         assert int8_noise(got, x, values, bias) < INT8_NOISE + 2 ** -8  # and one bf16 rounding
 
 
