@@ -33,7 +33,9 @@ def test_a_users_setting_is_kept(monkeypatch, name, value):
     assert os.environ[name] == value
 
 
-@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads /proc/<pid>/environ")
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(),
+                    reason="a child's environment is read from /proc/<pid>/environ, which this OS lacks; "
+                           "the two tests above check what the launcher gives it without /proc")
 def test_the_scheduler_process_starts_with_it(tiny_llama_dir, monkeypatch):
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
