@@ -318,6 +318,12 @@ class DecodeScratch:
         return self._out_views[rows]
 
 
+def _residual_stream(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """The residual buffer and the C entries' `add_residual` flag: the first layer (residual
+    None) starts the stream as x itself, normalised rather than added."""
+    return (x, 0) if residual is None else (residual, 1)
+
+
 def run_layer(lib: ctypes.CDLL, layer: LayerParams, step: StepParams, scratch: DecodeScratch,
               x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer of a decode step: `(hidden, residual)` in and out, as
@@ -335,10 +341,7 @@ def run_layer(lib: ctypes.CDLL, layer: LayerParams, step: StepParams, scratch: D
         When the library refuses the layer's linear kinds for its dtype, or a quantized
         weight's format (nothing written).
     """
-    if residual is None:
-        residual, add = x, 0
-    else:
-        add = 1
+    residual, add = _residual_stream(x, residual)
     out = scratch.out(step.rows)
     if lib.arborlm_fused_decoder_layer(layer.address, step.address, scratch.address, x.data_ptr(),
                                        residual.data_ptr(), add, out.data_ptr()) != 0:
@@ -379,10 +382,7 @@ def run_layers(lib: ctypes.CDLL, stack: LayerStack, step: StepParams, scratch: D
     ValueError
         As `run_layer`, for any layer of the stack (checked before anything is written).
     """
-    if residual is None:
-        residual, add = x, 0
-    else:
-        add = 1
+    residual, add = _residual_stream(x, residual)
     out = scratch.out(step.rows)
     if lib.arborlm_fused_decoder_layers(stack.address, len(stack.layers), step.address, scratch.address,
                                         x.data_ptr(), residual.data_ptr(), add, out.data_ptr()) != 0:

@@ -755,7 +755,6 @@ template <typename T, typename E, typename O>
 void decode_range(const T* q, const E* k_buffer, const E* v_buffer, const int32_t* slots, int64_t len,
                   int64_t kv_heads, int64_t head, int64_t group, int64_t head_dim, float scale, float logit_cap,
                   O* out, float* lse, DecodeScratch& scratch, const uint16_t* k_scale, const uint16_t* v_scale) {
-  constexpr int64_t start = 0;
   const int64_t vec = vector_end(head_dim);
   scratch.scores.resize(group * len);
 #if defined(__AVX512F__)
@@ -779,7 +778,7 @@ void decode_range(const T* q, const E* k_buffer, const E* v_buffer, const int32_
   }
 #endif
   for (int64_t t = 0; t < len; ++t) {
-    const int64_t slot = slots[start + t];
+    const int64_t slot = slots[t];
     const E* k = k_buffer + (slot * kv_heads + head) * head_dim;
     const float ks = row_scale<E>(k_scale, slot, kv_heads, head);
     for (int64_t g = 0; g < group; ++g) {
@@ -802,7 +801,7 @@ void decode_range(const T* q, const E* k_buffer, const E* v_buffer, const int32_
   // An int8 row's V scale folds into its probabilities (rows of every group head).
   if constexpr (std::is_same_v<E, int8_t>) {
     for (int64_t t = 0; t < len; ++t) {
-      const float vs = row_scale<E>(v_scale, slots[start + t], kv_heads, head);
+      const float vs = row_scale<E>(v_scale, slots[t], kv_heads, head);
       for (int64_t g = 0; g < group; ++g) scores[g * len + t] *= vs;
     }
   }
@@ -817,20 +816,20 @@ void decode_range(const T* q, const E* k_buffer, const E* v_buffer, const int32_
       __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
       int64_t t = 0;
       for (; t + 1 < len; t += 2) {
-        const E* v0 = v_buffer + (static_cast<int64_t>(slots[start + t]) * kv_heads + head) * head_dim;
-        const E* v1 = v_buffer + (static_cast<int64_t>(slots[start + t + 1]) * kv_heads + head) * head_dim;
+        const E* v0 = v_buffer + (static_cast<int64_t>(slots[t]) * kv_heads + head) * head_dim;
+        const E* v1 = v_buffer + (static_cast<int64_t>(slots[t + 1]) * kv_heads + head) * head_dim;
         a0 = _mm512_fmadd_ps(_mm512_set1_ps(pg[t]), load16(v0 + d), a0);
         a1 = _mm512_fmadd_ps(_mm512_set1_ps(pg[t + 1]), load16(v1 + d), a1);
       }
       if (t < len) {
-        const E* v0 = v_buffer + (static_cast<int64_t>(slots[start + t]) * kv_heads + head) * head_dim;
+        const E* v0 = v_buffer + (static_cast<int64_t>(slots[t]) * kv_heads + head) * head_dim;
         a0 = _mm512_fmadd_ps(_mm512_set1_ps(pg[t]), load16(v0 + d), a0);
       }
       _mm512_storeu_ps(ag + d, _mm512_add_ps(a0, a1));
     }
 #endif
     for (int64_t t = 0; d < head_dim && t < len; ++t) {
-      const E* v = v_buffer + (static_cast<int64_t>(slots[start + t]) * kv_heads + head) * head_dim;
+      const E* v = v_buffer + (static_cast<int64_t>(slots[t]) * kv_heads + head) * head_dim;
       for (int64_t e = d; e < head_dim; ++e) ag[e] += pg[t] * load(v, e);
     }
   }
