@@ -912,9 +912,22 @@ void merge_chunks(const float* parts, const float* lses, int64_t n, int64_t q_he
   }
 }
 
-// One (request, KV head, chunk) item of `decode_attention`.
+// One (request, KV head, chunk) item of `decode_attention`; chunk -1: all of the
+// request's chunks in turn, merged by the same item.
 struct DecodeItem {
   int64_t b, head, chunk;
+};
+
+// Split items keep every chunk's part in one buffer; past this many floats of parts
+// (an EXTEND step's thousands of rows, each a request of its own length) each (row, KV
+// head) item runs its chunks in turn in its thread's scratch instead. Both run the
+// same `decode_range` per chunk and the same `merge_chunks`, so a row's bits are the
+// same either way.
+constexpr int64_t kMaxSplitParts = int64_t{1} << 20;
+
+// Scratch of one thread for the chunks of a (row, KV head) item run in turn.
+struct ChunkScratch {
+  std::vector<float> parts, lses;
 };
 
 template <typename T, typename E>
@@ -928,7 +941,6 @@ void decode_attention(const T* q, int64_t q_stride, const E* k_buffer, const E* 
   // Per request: the first key the window leaves, its key count, its chunks, and the
   // first row of its chunks' parts (requests of one chunk write `out` directly).
   std::vector<int64_t> start(batch), len(batch), chunks(batch), part_row(batch);
-  std::vector<DecodeItem> items;
   int64_t part_rows = 0;
   for (int64_t b = 0; b < batch; ++b) {
     start[b] = (window > 0 && seq_lens[b] > window) ? seq_lens[b] - window : 0;
@@ -937,15 +949,25 @@ void decode_attention(const T* q, int64_t q_stride, const E* k_buffer, const E* 
     part_row[b] = part_rows;
     if (chunks[b] > 1) part_rows += chunks[b];
     work += seq_lens[b];
-    for (int64_t h = 0; h < kv_heads; ++h)
-      for (int64_t c = 0; c < chunks[b]; ++c) items.push_back({b, h, c});
   }
   work *= q_heads * head_dim;
-  std::vector<float> parts(part_rows * q_heads * head_dim), lses(part_rows * q_heads);
+  const bool split = part_rows * q_heads * head_dim <= kMaxSplitParts;
+  std::vector<DecodeItem> items;
+  items.reserve(batch * kv_heads);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      if (!split && chunks[b] > 1) {
+        items.push_back({b, h, -1});
+        continue;
+      }
+      for (int64_t c = 0; c < chunks[b]; ++c) items.push_back({b, h, c});
+    }
+  std::vector<float> parts(split ? part_rows * q_heads * head_dim : 0), lses(split ? part_rows * q_heads : 0);
   const int64_t num_items = static_cast<int64_t>(items.size());
 #pragma omp parallel if (work >= kParallelWork)
   {
     DecodeScratch scratch;
+    ChunkScratch own;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_items; ++i) {
       const DecodeItem it = items[i];
@@ -956,17 +978,32 @@ void decode_attention(const T* q, int64_t q_stride, const E* k_buffer, const E* 
                      out + it.b * out_stride, static_cast<float*>(nullptr), scratch, k_scale, v_scale);
         continue;
       }
+      if (it.chunk < 0) {
+        const int64_t n = chunks[it.b];
+        own.parts.resize(n * q_heads * head_dim);
+        own.lses.resize(n * q_heads);
+        for (int64_t c = 0; c < n; ++c) {
+          const auto [lo, hi] = chunk_range(len[it.b], n, c);
+          decode_range(qb, k_buffer, v_buffer, slots + lo, hi - lo, kv_heads, it.head, group, head_dim, scale,
+                       logit_cap, own.parts.data() + c * q_heads * head_dim, own.lses.data() + c * q_heads, scratch,
+                       k_scale, v_scale);
+        }
+        merge_chunks(own.parts.data(), own.lses.data(), n, q_heads, it.head, group, head_dim, out + it.b * out_stride);
+        continue;
+      }
       const auto [lo, hi] = chunk_range(len[it.b], chunks[it.b], it.chunk);
       const int64_t row = part_row[it.b] + it.chunk;
       decode_range(qb, k_buffer, v_buffer, slots + lo, hi - lo, kv_heads, it.head, group, head_dim, scale, logit_cap,
                    parts.data() + row * q_heads * head_dim, lses.data() + row * q_heads, scratch, k_scale, v_scale);
     }
+    if (split) {
 #pragma omp for collapse(2) schedule(static)
-    for (int64_t b = 0; b < batch; ++b)
-      for (int64_t h = 0; h < kv_heads; ++h)
-        if (chunks[b] > 1)
-          merge_chunks(parts.data() + part_row[b] * q_heads * head_dim, lses.data() + part_row[b] * q_heads,
-                       chunks[b], q_heads, h, group, head_dim, out + b * out_stride);
+      for (int64_t b = 0; b < batch; ++b)
+        for (int64_t h = 0; h < kv_heads; ++h)
+          if (chunks[b] > 1)
+            merge_chunks(parts.data() + part_row[b] * q_heads * head_dim, lses.data() + part_row[b] * q_heads,
+                         chunks[b], q_heads, h, group, head_dim, out + b * out_stride);
+    }
   }
 }
 

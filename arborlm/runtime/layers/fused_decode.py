@@ -90,7 +90,7 @@ class FusedDecode:
     def __call__(self, layer, hidden: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryStep,
                  forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`layer.forward`'s result through the fused kernel, or None where it does not apply."""
-        if not self.enabled or not isinstance(forward_batch.attn_metadata, NativeDecodeMetadata):
+        if not self._takes_step(forward_batch):
             return None
         params = self._layer_params(layer)
         if params is None:
@@ -106,7 +106,7 @@ class FusedDecode:
         residual stream) in one native call: `(hidden, residual)` after the last, as the
         layers one by one through `__call__` would give them bit for bit; None where any
         layer does not take the fused call (the caller then runs them one by one)."""
-        if not self.enabled or not isinstance(forward_batch.attn_metadata, NativeDecodeMetadata):
+        if not self._takes_step(forward_batch):
             return None
         stack = self._layer_stack(layers)
         if stack is None:
@@ -115,6 +115,13 @@ class FusedDecode:
         if ready is None:
             return None
         return fused.run_layers(self.lib, stack, *ready, hidden, None)
+
+    def _takes_step(self, forward_batch: ForwardBatch) -> bool:
+        """A DECODE (or verify) step on the native decode kernel; EXTEND steps laid out as
+        decode rows (`NativeDecodeMetadata.of_extend_rows`) keep the layers' modules, which
+        give the same bits: a prefill's thousands of rows are beyond the fused scratch."""
+        return (self.enabled and forward_batch.forward_mode.is_decode()
+                and isinstance(forward_batch.attn_metadata, NativeDecodeMetadata))
 
     def _prepare(self, params: fused.LayerParams, max_rows: int, hidden: torch.Tensor, residual: torch.Tensor | None,
                  rotary: RotaryStep, forward_batch: ForwardBatch

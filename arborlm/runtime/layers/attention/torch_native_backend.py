@@ -2,9 +2,17 @@
 
 Per step it builds the gather indices and masks every layer shares; with the C++
 CPU kernels of `kernels/cpu_ops.py` (`NativeLayerOps`), DECODE steps instead go
-through `decode_attention` and, on a CPU with AMX, EXTEND steps through
-`extend_attention`, both reading K/V in the pool in place. Steps the native
+through `decode_attention`, bf16 EXTEND steps on a CPU with AMX through
+`extend_attention`, and every other EXTEND step through `decode_attention` too, one
+decode row per new token, all reading K/V in the pool in place. Steps the native
 kernels do not take (dtype, layout) fall back to `torch_native` (SDPA over a gather).
+
+Why EXTEND as decode rows: the token at position p then attends exactly as a decode
+step at seq_len p + 1 would, whatever else the step holds. SDPA's GEMMs round
+differently with the number of query rows and where a prompt was cut (a cached
+prefix, a prefill chunk), so the same greedy request could answer differently alone,
+under load, with the cache warm or cold. Measured on an AVX2 EPYC (SmolLM2 Q4_1,
+float32): 0.98x the prefill time at 300 tokens, 1.07-1.10x from 1024 to 4000.
 """
 
 from __future__ import annotations
@@ -39,6 +47,18 @@ class NativeDecodeMetadata:
             forward_batch.out_cache_loc.to(torch.int64).contiguous(),
         )
 
+    @classmethod
+    def of_extend_rows(cls, forward_batch: ForwardBatch) -> NativeDecodeMetadata:
+        """An EXTEND step as decode rows, one per new token (as TARGET_VERIFY is laid
+        out): the token at position p of request r is a row of r with seq_len p + 1."""
+        rows = torch.repeat_interleave(forward_batch.req_pool_indices.to(torch.int64),
+                                       forward_batch.extend_seq_lens.to(torch.int64))
+        return cls(
+            rows.contiguous(),
+            (forward_batch.positions.to(torch.int64) + 1).contiguous(),
+            forward_batch.out_cache_loc.to(torch.int64).contiguous(),
+        )
+
 
 @dataclass
 class NativeExtendMetadata:
@@ -69,28 +89,37 @@ class TorchAttentionBackend(AttentionBackend):
     """The torch CPU path (`kernels/torch_native.py`): per-step metadata, runs on any device.
 
     With `native` (the C++ CPU kernels), DECODE steps whose tensors it takes attend
-    through `NativeLayerOps.decode_attention`, and on a CPU with AMX the EXTEND steps
-    through `NativeLayerOps.extend_attention`; both read K/V in place and need no
-    per-step gather indices. Other steps take `torch_native` (SDPA over a gather).
+    through `NativeLayerOps.decode_attention`, bf16 EXTEND steps on a CPU with AMX
+    through `NativeLayerOps.extend_attention`, other EXTEND steps as decode rows
+    (`NativeDecodeMetadata.of_extend_rows`; module docstring); all read K/V in place and
+    need no per-step gather indices. Other steps take `torch_native` (SDPA over a gather).
+
+    extend_as_decode_rows: False sends those EXTEND steps to `torch_native` instead
+        (the oracle in tests, the baseline in benchmarks).
     """
 
     # `arborlm_decode_attention` stores all rows' K/V, then attends row by row; the torch
     # fallback stores first too, and gathers each row's keys by its own seq_len.
     takes_verify_rows = True
 
-    def __init__(self, native: NativeLayerOps | None = None):
+    def __init__(self, native: NativeLayerOps | None = None, extend_as_decode_rows: bool = True):
         self.native = native
+        self.extend_as_decode_rows = extend_as_decode_rows
 
     @classmethod
     def create(cls, device: torch.device, native: NativeLayerOps | None) -> TorchAttentionBackend:
         return cls(native)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        if self.native is not None and self.native.amx and forward_batch.forward_mode.is_extend():
-            forward_batch.attn_metadata = NativeExtendMetadata.of(forward_batch)
-        elif self.native is not None and forward_batch.forward_mode.is_decode():
+        mode = forward_batch.forward_mode
+        if self.native is not None and mode.is_decode():
             # The layers check that the kernel takes their tensors, and fall back if not.
             forward_batch.attn_metadata = NativeDecodeMetadata.of(forward_batch)
+        elif self.native is not None and self.native.amx and mode.is_extend():
+            # bf16 steps take the AMX kernel; the first layer turns other steps into decode rows.
+            forward_batch.attn_metadata = NativeExtendMetadata.of(forward_batch)
+        elif self.native is not None and self.extend_as_decode_rows and mode.is_extend():
+            forward_batch.attn_metadata = NativeDecodeMetadata.of_extend_rows(forward_batch)
         else:
             forward_batch.attn_metadata = self._torch_metadata(forward_batch)
 
@@ -112,6 +141,10 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, layer_id, forward_batch, scale, sliding_window=None, logit_cap=0.0):
         meta = forward_batch.attn_metadata
+        if isinstance(meta, NativeExtendMetadata) and not (meta.checked or self._takes_extend(q, layer_id, forward_batch)):
+            meta = forward_batch.attn_metadata = (
+                NativeDecodeMetadata.of_extend_rows(forward_batch) if self.extend_as_decode_rows else None
+            )
         if isinstance(meta, NativeDecodeMetadata):
             o = self._native_decode(q, k, v, layer_id, forward_batch, meta, scale, sliding_window, logit_cap)
             if o is not None:
@@ -120,13 +153,15 @@ class TorchAttentionBackend(AttentionBackend):
         # The native decode kernel stores the new K/V itself; every other path stores them first.
         forward_batch.token_to_kv_pool.set_kv_buffer(layer_id, forward_batch.out_cache_loc, k, v)
         if isinstance(meta, NativeExtendMetadata):
-            o = self._native_extend(q, layer_id, forward_batch, meta, scale, sliding_window, logit_cap)
-            if o is not None:
-                return o
-            forward_batch.attn_metadata = None
+            return self._native_extend(q, layer_id, forward_batch, meta, scale, sliding_window, logit_cap)
         if forward_batch.attn_metadata is None:
             forward_batch.attn_metadata = self._torch_metadata(forward_batch)
         return self._torch_attention(q, layer_id, forward_batch, scale, sliding_window, logit_cap)
+
+    def _takes_extend(self, q, layer_id, forward_batch) -> bool:
+        """Whether the AMX extend kernel takes this step's tensors (`can_extend`)."""
+        k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer_id)
+        return self.native.can_extend(q, k_buffer, v_buffer, forward_batch.req_to_token_pool.req_to_token)
 
     def _native_decode(self, q, k, v, layer_id, forward_batch, meta: NativeDecodeMetadata, scale,
                        sliding_window, logit_cap) -> torch.Tensor | None:
@@ -145,17 +180,13 @@ class TorchAttentionBackend(AttentionBackend):
         )
 
     def _native_extend(self, q, layer_id, forward_batch, meta: NativeExtendMetadata, scale,
-                       sliding_window, logit_cap) -> torch.Tensor | None:
-        """The EXTEND step through the AMX kernel (K/V already stored); None where it
-        does not take these tensors."""
+                       sliding_window, logit_cap) -> torch.Tensor:
+        """The EXTEND step through the AMX kernel (K/V already stored; `_takes_extend` held)."""
         k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer_id)
-        req_to_token = forward_batch.req_to_token_pool.req_to_token
-        if not (meta.checked or self.native.can_extend(q, k_buffer, v_buffer, req_to_token)):
-            return None
         meta.checked = True
         return self.native.extend_attention(
-            q, k_buffer, v_buffer, req_to_token, meta.req_pool_indices, meta.seq_lens,
-            meta.extend_seq_lens, meta.extend_start_loc, scale, sliding_window, logit_cap,
+            q, k_buffer, v_buffer, forward_batch.req_to_token_pool.req_to_token, meta.req_pool_indices,
+            meta.seq_lens, meta.extend_seq_lens, meta.extend_start_loc, scale, sliding_window, logit_cap,
         )
 
     def _torch_attention(self, q, layer_id, forward_batch, scale, sliding_window, logit_cap) -> torch.Tensor:
