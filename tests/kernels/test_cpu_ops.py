@@ -500,6 +500,32 @@ def test_decode_attention_row_does_not_depend_on_its_batch(ops, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_attention_extend_rows_equal_each_row_alone(ops, dtype):
+    """A prefill as decode rows (`NativeDecodeMetadata.of_extend_rows`): 1500 rows of one
+    request at lengths 1..1500, whose split-K parts would pass the kernel's bound, so
+    each (row, KV head) runs its chunks in turn; every row is the same bits as that row
+    alone (chunks split across items) and matches the reference."""
+    context, heads, group, head_dim = 1500, 3, 3, 64
+    gen = torch.Generator().manual_seed(21)
+    k_buffer = randn(context + 7, heads, head_dim, dtype=dtype, seed=22)
+    v_buffer = randn(context + 7, heads, head_dim, dtype=dtype, seed=23)
+    req_to_token = torch.zeros(3, context + 2, dtype=torch.int32)
+    req_to_token[2, :context] = torch.randperm(context + 7, generator=gen)[:context].to(torch.int32)
+    q = randn(context, heads * group, head_dim, dtype=dtype, seed=24, scale=4.0)
+    rpi = torch.full((context,), 2, dtype=torch.int64)
+    lens = torch.arange(1, context + 1)
+    rows = ops.decode_attention(q, k_buffer, v_buffer, req_to_token, rpi, lens, 0.125, None, 0.0)
+    for i in (0, 127, 255, 256, 999, context - 1):
+        alone = ops.decode_attention(q[i:i + 1], k_buffer, v_buffer, req_to_token, rpi[i:i + 1], lens[i:i + 1],
+                                     0.125, None, 0.0)
+        torch.testing.assert_close(rows[i], alone[0], atol=0, rtol=0)
+        expected = reference.decode_attention(q[i:i + 1].float(), k_buffer.float(), v_buffer.float(), req_to_token,
+                                              rpi[i:i + 1], lens[i:i + 1], 0.125)
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-5, rtol=BF16_RTOL)
+        torch.testing.assert_close(rows[i:i + 1].float(), expected, **tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_attention_rows_of_one_request(ops, dtype):
     """Speculative verify's layout: several rows of one request at increasing lengths
     (L, L+1, ..., around a block boundary), every row's new K/V stored first; row i
