@@ -757,6 +757,28 @@ def test_extend_attention_tiled_request_does_not_depend_on_its_batch(ops, kv_dty
         assert torch.equal(alone, batched[rows])
 
 
+@pytest.mark.parametrize("sliding_window", [None, 17, 100])
+@pytest.mark.parametrize("kv_dtype", [None, torch.int8], ids=str)
+def test_extend_attention_tiled_row_does_not_depend_on_where_the_extend_starts(ops, kv_dtype, sliding_window):
+    """A token's output is the same bits whether its prompt is extended in one step or
+    after a cached prefix of any length (key tiles sit at fixed positions, whatever the
+    window), so a prefill chunk or a radix-cache hit does not change the tokens."""
+    total = 200
+    q, k_buffer, v_buffer, req_to_token, rpi, lens, _, extend, start = extend_case([0], [total], 3, 3, 64,
+                                                                                  torch.float32)
+    scales = None
+    if kv_dtype is not None:
+        (k_buffer, k_scale, _), (v_buffer, v_scale, _) = (one_byte_pool(b, kv_dtype) for b in (k_buffer, v_buffer))
+        scales = (k_scale, v_scale)
+    whole = ops.extend_attention_tiled(q, k_buffer, v_buffer, req_to_token, rpi, lens, extend, start, 0.125,
+                                       sliding_window, kv_scales=scales)
+    for prefix in (1, 63, 64, 100, 199):
+        part = ops.extend_attention_tiled(q[prefix:], k_buffer, v_buffer, req_to_token, rpi, lens,
+                                          torch.tensor([total - prefix]), torch.zeros(1, dtype=torch.int64), 0.125,
+                                          sliding_window, kv_scales=scales)
+        assert torch.equal(part, whole[prefix:]), prefix
+
+
 def test_extend_attention_tiled_refuses_what_it_does_not_take(ops):
     q, k_buffer, v_buffer, req_to_token, rpi, lens, _, extend, start = extend_case([3], [4], 2, 2, 64, torch.float32)
     k8, k_scale, _ = one_byte_pool(k_buffer, torch.int8)

@@ -1150,7 +1150,9 @@ void extend_tile_block(const T* q, int64_t q_stride, const E* k_buffer, const E*
     for (int64_t g = 0; g < group; ++g)
       for (int64_t d = 0; d < D; ++d) qf[(i * group + g) * D + d] = load(q + (row0 + i) * q_stride + (head * group + g) * D, d);
   const int64_t first = prefix + row0, last = prefix + row0 + rows - 1;
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
+  // Tiles start at multiples of kTileKeys, never where this block's window does: a row's
+  // tiles (and so its bits) then do not depend on which rows share its block.
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, first - window + 1) / kTileKeys * kTileKeys : 0;
   for (int64_t j0 = lo; j0 <= last; j0 += kTileKeys) {
     const int64_t n = std::min(kTileKeys, last + 1 - j0);
     for (int64_t j = 0; j < n; ++j) {
