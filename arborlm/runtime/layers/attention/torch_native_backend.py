@@ -12,7 +12,8 @@ step at seq_len p + 1 would, whatever else the step holds. SDPA's GEMMs round
 differently with the number of query rows and where a prompt was cut (a cached
 prefix, a prefill chunk), so the same greedy request could answer differently alone,
 under load, with the cache warm or cold. Measured on an AVX2 EPYC (SmolLM2 Q4_1,
-float32): 0.98x the prefill time at 300 tokens, 1.07-1.10x from 1024 to 4000.
+float32): 0.98x the prefill time at 300 tokens, 1.05-1.10x from 1024 to 4000
+(`benchmarks/bench_extend_paths.py`).
 """
 
 from __future__ import annotations
@@ -51,11 +52,15 @@ class NativeDecodeMetadata:
     def of_extend_rows(cls, forward_batch: ForwardBatch) -> NativeDecodeMetadata:
         """An EXTEND step as decode rows, one per new token (as TARGET_VERIFY is laid
         out): the token at position p of request r is a row of r with seq_len p + 1."""
-        rows = torch.repeat_interleave(forward_batch.req_pool_indices.to(torch.int64),
-                                       forward_batch.extend_seq_lens.to(torch.int64))
+        extend_lens = forward_batch.extend_seq_lens.to(torch.int64)
+        rows = torch.repeat_interleave(forward_batch.req_pool_indices.to(torch.int64), extend_lens)
+        # From the KV lengths, not `positions` (a model may offset its positions).
+        first_len = forward_batch.seq_lens.to(torch.int64) - extend_lens + 1  # each request's first new row
+        first_row = torch.cumsum(extend_lens, 0) - extend_lens
+        offset = torch.arange(int(extend_lens.sum()), dtype=torch.int64) - torch.repeat_interleave(first_row, extend_lens)
         return cls(
             rows.contiguous(),
-            (forward_batch.positions.to(torch.int64) + 1).contiguous(),
+            (torch.repeat_interleave(first_len, extend_lens) + offset).contiguous(),
             forward_batch.out_cache_loc.to(torch.int64).contiguous(),
         )
 
