@@ -24,7 +24,6 @@ positions `<= p`, and with `sliding_window = w` only those `> p - w`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -171,14 +170,12 @@ class MixedMetadata:
     Attributes
     ----------
     single_rows: (n1,) int64 rows of the step's q (num_tokens, ...) of the one-token requests.
-    single_req_pool_indices: (n1,) int64 their `req_to_token` rows.
     multi_rows: (n2,) int64 rows of the other requests' tokens, in order.
     decode: `DecodeMetadata` over the one-token requests.
     extend: `ExtendMetadata` over the others.
     """
 
     single_rows: torch.Tensor
-    single_req_pool_indices: torch.Tensor
     multi_rows: torch.Tensor
     decode: DecodeMetadata
     extend: ExtendMetadata
@@ -214,15 +211,14 @@ def build_extend_step_metadata(
     multi_rows = torch.tensor([r for i in multi for r in rows_of[i]], dtype=torch.int64, device=device)
     s_idx = torch.tensor(single, dtype=torch.int64, device=device)
     m_idx = torch.tensor(multi, dtype=torch.int64, device=device)
-    single_req_pool_indices = req_pool_indices[s_idx].to(torch.int64)
     decode = build_decode_metadata(
-        req_to_token, single_req_pool_indices, seq_lens[s_idx], max(seq_lens_cpu[i] for i in single), num_kv_heads
+        req_to_token, req_pool_indices[s_idx], seq_lens[s_idx], max(seq_lens_cpu[i] for i in single), num_kv_heads
     )
     extend = build_extend_metadata(
         req_to_token, req_pool_indices[m_idx], seq_lens[m_idx], extend_prefix_lens[m_idx], extend_seq_lens[m_idx],
         max(extend_seq_lens_cpu[i] for i in multi), max(seq_lens_cpu[i] for i in multi),
     )
-    return MixedMetadata(single_rows, single_req_pool_indices, multi_rows, decode, extend)
+    return MixedMetadata(single_rows, multi_rows, decode, extend)
 
 
 def mixed_attention(
@@ -233,21 +229,14 @@ def mixed_attention(
     scale: float,
     sliding_window: int | None = None,
     logit_cap: float = 0.0,
-    decode: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """`extend_attention` of a step with both one-token and longer requests (see `MixedMetadata`).
 
     q: (num_tokens, num_q_heads, head_dim); returns the same shape in q's dtype.
-    decode: attention of the one-token requests from their q rows (n1, heads,
-        head_dim), in place of `decode_attention` (the backend passes the native
-        CPU kernel).
     """
     out = torch.empty_like(q)
     q_single = q.index_select(0, metadata.single_rows)
-    if decode is not None:
-        single = decode(q_single)
-    else:
-        single = decode_attention(q_single, k_buffer, v_buffer, metadata.decode, scale, sliding_window, logit_cap)
+    single = decode_attention(q_single, k_buffer, v_buffer, metadata.decode, scale, sliding_window, logit_cap)
     multi = extend_attention(
         q.index_select(0, metadata.multi_rows), k_buffer, v_buffer, metadata.extend, scale, sliding_window, logit_cap
     )

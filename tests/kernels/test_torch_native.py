@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from arborlm.kernels import cpu_ops, reference, torch_native
+from arborlm.kernels import reference, torch_native
 from tests.kernels.test_reference import CASES, make_pool
 
 HEAD_DIM = 16
@@ -98,34 +98,6 @@ def test_mixed_extend_matches_reference(
     assert metadata.extend.batch_size == sum(1 for n in extend_lens if n > 1)
     out = torch_native.mixed_attention(c.q, c.k_buffer, c.v_buffer, metadata, SCALE, sliding_window, logit_cap)
     assert out.dtype == dtype
-    torch.testing.assert_close(out.float(), c.expected.float(), atol=TOLERANCE[dtype], rtol=0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("prefix_lens, extend_lens, num_q_heads, num_kv_heads, sliding_window, logit_cap", MIXED_CASES)
-def test_mixed_extend_with_the_native_decode_matches_reference(
-    prefix_lens, extend_lens, num_q_heads, num_kv_heads, sliding_window, logit_cap, dtype, native_lib
-):
-    """The backend's mixed path: the one-token requests go through the C++ decode kernel."""
-    native = cpu_ops.NativeLayerOps(native_lib)
-    c = extend_case(prefix_lens, extend_lens, num_q_heads, num_kv_heads, sliding_window, logit_cap, dtype, seed=4)
-    metadata = torch_native.build_extend_step_metadata(
-        c.req_to_token, c.req_pool_indices, c.seq_lens, c.prefix, c.new, list(extend_lens), c.seq_lens.tolist(),
-        num_kv_heads,
-    )
-    calls = []
-
-    def decode(q_single):
-        calls.append(q_single.shape[0])
-        return native.decode_attention(
-            q_single, c.k_buffer, c.v_buffer, c.req_to_token, metadata.single_req_pool_indices,
-            metadata.decode.seq_lens, SCALE, sliding_window, logit_cap,
-        )
-
-    out = torch_native.mixed_attention(
-        c.q, c.k_buffer, c.v_buffer, metadata, SCALE, sliding_window, logit_cap, decode=decode
-    )
-    assert calls == [sum(1 for n in extend_lens if n == 1)]
     torch.testing.assert_close(out.float(), c.expected.float(), atol=TOLERANCE[dtype], rtol=0)
 
 

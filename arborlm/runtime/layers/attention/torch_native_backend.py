@@ -54,13 +54,14 @@ class NativeDecodeMetadata:
         out): the token at position p of request r is a row of r with seq_len p + 1."""
         extend_lens = forward_batch.extend_seq_lens.to(torch.int64)
         rows = torch.repeat_interleave(forward_batch.req_pool_indices.to(torch.int64), extend_lens)
-        # From the KV lengths, not `positions` (a model may offset its positions).
-        first_len = forward_batch.seq_lens.to(torch.int64) - extend_lens + 1  # each request's first new row
+        # From the KV lengths, not `positions` (a model may offset its positions):
+        # row j of a request after `prefix` cached tokens sees prefix + j + 1 keys.
         first_row = torch.cumsum(extend_lens, 0) - extend_lens
-        offset = torch.arange(int(extend_lens.sum()), dtype=torch.int64) - torch.repeat_interleave(first_row, extend_lens)
+        j = torch.arange(rows.shape[0], dtype=torch.int64) - torch.repeat_interleave(first_row, extend_lens)
+        prefix = torch.repeat_interleave(forward_batch.extend_prefix_lens.to(torch.int64), extend_lens)
         return cls(
             rows.contiguous(),
-            (torch.repeat_interleave(first_len, extend_lens) + offset).contiguous(),
+            (prefix + j + 1).contiguous(),
             forward_batch.out_cache_loc.to(torch.int64).contiguous(),
         )
 
@@ -195,23 +196,11 @@ class TorchAttentionBackend(AttentionBackend):
         )
 
     def _torch_attention(self, q, layer_id, forward_batch, scale, sliding_window, logit_cap) -> torch.Tensor:
-        """`torch_native` over the step's gather metadata (K/V already stored); decode
-        tokens riding along a prefill take the native decode kernel where it fits."""
+        """`torch_native` over the step's gather metadata (K/V already stored)."""
         k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer_id)
         meta = forward_batch.attn_metadata
         if forward_batch.forward_mode.is_decode():
             return torch_native.decode_attention(q, k_buffer, v_buffer, meta, scale, sliding_window, logit_cap)
-        if not isinstance(meta, torch_native.MixedMetadata):
-            return torch_native.extend_attention(q, k_buffer, v_buffer, meta, scale, sliding_window, logit_cap)
-        req_to_token = forward_batch.req_to_token_pool.req_to_token
-        decode = None
-        if self.native is not None and self.native.can_decode(q, k_buffer, v_buffer, req_to_token):
-            # The decode tokens riding along a prefill take the native kernel (K/V already stored).
-            def decode(q_single: torch.Tensor) -> torch.Tensor:
-                return self.native.decode_attention(
-                    q_single, k_buffer, v_buffer, req_to_token, meta.single_req_pool_indices, meta.decode.seq_lens,
-                    scale, sliding_window, logit_cap, check=False,
-                )
-        return torch_native.mixed_attention(
-            q, k_buffer, v_buffer, meta, scale, sliding_window, logit_cap, decode=decode
-        )
+        if isinstance(meta, torch_native.MixedMetadata):
+            return torch_native.mixed_attention(q, k_buffer, v_buffer, meta, scale, sliding_window, logit_cap)
+        return torch_native.extend_attention(q, k_buffer, v_buffer, meta, scale, sliding_window, logit_cap)
