@@ -7,6 +7,9 @@ worker, by default to the one whose cache holds the longest prefix of it (`cache
 This is SGLang's own data-parallel layout (`python -m sglang_router.launch_server
 --dp-size N`), with arborlm workers.
 
+Each worker runs on its own slice of the cores (`cpu_binding`): N workers that each
+spread their kernels over every core would wait on each other's threads.
+
 Lifecycle: workers start first (the public port is checked free before any model loads);
 the router starts once every worker answers `GET /health`, so no request meets a worker
 that is still loading. A worker that dies is dropped by the router's health checks and
@@ -32,6 +35,7 @@ import httpx
 
 from arborlm.errors import ArborError, EngineDeadError
 from arborlm.runtime.config import ServerArgs
+from arborlm.runtime.cpu_binding import bound_to, describe, split_cpus
 
 logger = logging.getLogger("arborlm.data_parallel")
 
@@ -167,12 +171,15 @@ def launch_data_parallel(server_args: ServerArgs) -> None:
     ctx = mp.get_context("spawn")
     *ports, metrics_port = free_loopback_ports(server_args.parallel.dp_size + 1)
     workers = worker_specs(server_args, ports)
+    cpu_slices = split_cpus(len(workers))
     procs: list[BaseProcess] = []
     with _stop_on_signals():
         try:
-            for w in workers:
+            for w, cpus in zip(workers, cpu_slices):
                 proc = ctx.Process(target=_run_worker, args=(w.server_args,), name=f"arborlm-dp{w.rank}")
-                proc.start()
+                with bound_to(cpus):  # the workers' compute threads must not share cores
+                    proc.start()
+                logger.info("data-parallel worker %d on CPUs %s", w.rank, describe(cpus))
                 procs.append(proc)
             _wait_healthy(workers, procs)
             router = ctx.Process(target=_run_router, args=(router_kwargs(server_args, workers, metrics_port),),

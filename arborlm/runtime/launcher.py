@@ -34,6 +34,7 @@ from multiprocessing.process import BaseProcess
 from arborlm.chat_template import apply_chat_template_override
 from arborlm.errors import EngineDeadError, ModelLoadError
 from arborlm.runtime.config import ServerArgs
+from arborlm.runtime.cpu_binding import bound_to
 from arborlm.runtime.distributed.launch import TpWorkers, launch_tp_workers
 from arborlm.runtime.io_struct import ModelInfo
 from arborlm.runtime.scheduler_process import PortArgs, Shutdown, run_scheduler_process
@@ -92,6 +93,14 @@ def _scheduler_environment():
         yield
     finally:
         os.environ.pop("GOMP_SPINCOUNT", None)
+
+
+def _rank0_binding(server_args: ServerArgs, tp_workers: TpWorkers):
+    """With tp_size > 1 the scheduler process (rank 0) starts on its slice of the cores
+    (`cpu_binding`); with one rank it keeps every core the front may use."""
+    if server_args.parallel.tp_size == 1:
+        return contextlib.nullcontext()
+    return bound_to(tp_workers.rank0_cpus)
 
 
 @dataclass
@@ -194,7 +203,7 @@ def launch_scheduler(server_args: ServerArgs, start_timeout_s: float = SCHEDULER
     )
     reader, writer = ctx.Pipe(duplex=False)
     process = ctx.Process(target=run_scheduler_process, args=(server_args, port_args, writer), daemon=True)
-    with _main_module_not_reimported(), _scheduler_environment():
+    with _main_module_not_reimported(), _scheduler_environment(), _rank0_binding(server_args, tp_workers):
         process.start()
     writer.close()
     try:

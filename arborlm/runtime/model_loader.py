@@ -33,6 +33,7 @@ import torch
 from arborlm.envs import ENVS
 from arborlm.errors import ModelLoadError
 from arborlm.runtime import gguf_config
+from arborlm.runtime.cpu_binding import cpu_threads
 from arborlm.runtime.gguf_mixtral import convert_mixtral
 from arborlm.runtime.models import registry
 from arborlm.runtime.models.weight_utils import weight_progress
@@ -380,8 +381,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def set_cpu_threads() -> None:
-    """Let torch use every core for intra-op parallelism (the CPU decode path needs it)."""
-    torch.set_num_threads(os.cpu_count() or 1)
+    """Let torch use every core this process may run on for intra-op parallelism (the CPU
+    decode path needs it; a data-parallel worker or tensor-parallel rank has its slice)."""
+    torch.set_num_threads(cpu_threads())
 
 
 def iter_safetensors(checkpoint: Path, progress: bool | None = False) -> Iterator[tuple[str, torch.Tensor]]:

@@ -277,6 +277,9 @@ def test_tp2_greedy_equals_tp1_token_for_token(tiny_llama_dir):
         assert info["free_req_rows"] == info["total_req_rows"]
         assert info["free_kv_tokens"] + info["cached_kv_tokens"] == info["max_total_tokens"] == 4096
         assert got == want
+        (rank1,) = tp2._scheduler.tp_workers.processes
+        if len(os.sched_getaffinity(0)) >= 2:  # each rank on its own cores
+            assert not os.sched_getaffinity(tp2._scheduler.process.pid) & os.sched_getaffinity(rank1.pid)
         # A dead rank stops the server with a clear error instead of a hang.
         (rank1,) = tp2._scheduler.tp_workers.processes
         os.kill(rank1.pid, signal.SIGKILL)

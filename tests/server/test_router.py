@@ -11,6 +11,7 @@ out while the other keeps serving.
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import httpx
@@ -141,14 +142,21 @@ def test_dp_cache_aware_keeps_a_prefix_on_one_worker_and_slots_return(dp_server)
         assert info["free_kv_tokens"] + info["cached_kv_tokens"] == info["max_total_tokens"]
 
 
+def test_dp_workers_run_on_disjoint_cores(dp_server):
+    # Two workers whose kernels both spread over every core wait on each other's threads.
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("one core: both workers run on it (nothing to split)")
+    masks = [os.sched_getaffinity(pid) for pid in _worker_pids(dp_server).values()]
+    assert len(masks) == 2 and not masks[0] & masks[1] and masks[0] | masks[1] == set(cpus)
+
+
 def test_dp_a_killed_worker_is_taken_out_and_the_other_serves(dp_server):
     import signal
 
     pids = _worker_pids(dp_server)
     assert len(pids) == 2
     victim = min(pids)
-    import os
-
     os.kill(pids[victim], signal.SIGKILL)
     ok = 0
     with dp_server.client() as client:

@@ -3,7 +3,9 @@
 `launch_tp_workers` picks a free loopback port for the `torch.distributed` rendezvous and
 spawns one `tp_worker.run_tp_worker_process` per rank 1..tp_size-1; rank 0 is the scheduler's
 own process (`scheduler_process.py`), given the same port. `TpWorkers` lets the launcher wait
-for them, watch them and stop them.
+for them, watch them and stop them. Each rank starts on its own slice of the cores
+(`cpu_binding.split_cpus`; rank 0's is `rank0_cpus`), so the ranks' kernels do not wait
+on each other's threads.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from multiprocessing.process import BaseProcess
 
 from arborlm.errors import EngineDeadError, ModelLoadError
 from arborlm.runtime.config import ServerArgs
+from arborlm.runtime.cpu_binding import available_cpus, bound_to, split_cpus
 
 
 def free_loopback_port() -> int:
@@ -29,11 +32,14 @@ class TpWorkers:
 
     nccl_port: the rendezvous port rank 0 joins too (SGLang's `nccl_port`).
     processes: rank r's process at index r - 1; readers: their readiness pipes.
+    rank0_cpus: the CPU ids rank 0 (the scheduler process) is to start on; all of the
+        caller's when tp_size is 1.
     """
 
     nccl_port: int
     processes: list[BaseProcess] = field(default_factory=list)
     readers: list = field(default_factory=list)
+    rank0_cpus: tuple[int, ...] = field(default_factory=available_cpus)
 
     def check_started(self) -> None:
         """Raise the load error a rank reported, or EngineDeadError for a rank that died
@@ -91,12 +97,14 @@ def launch_tp_workers(server_args: ServerArgs, ctx) -> TpWorkers:
     tp_size = server_args.parallel.tp_size
     if tp_size == 1:
         return TpWorkers(nccl_port=0)
-    workers = TpWorkers(nccl_port=free_loopback_port())
+    cpu_slices = split_cpus(tp_size)
+    workers = TpWorkers(nccl_port=free_loopback_port(), rank0_cpus=cpu_slices[0])
     for rank in range(1, tp_size):
         reader, writer = ctx.Pipe(duplex=False)
         process = ctx.Process(target=run_tp_worker_process, args=(server_args, rank, workers.nccl_port, writer),
                               daemon=True, name=f"arborlm-tp{rank}")
-        process.start()
+        with bound_to(cpu_slices[rank]):
+            process.start()
         writer.close()
         workers.processes.append(process)
         workers.readers.append(reader)
