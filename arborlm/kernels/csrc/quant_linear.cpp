@@ -19,8 +19,8 @@
 // between the halves; min_w is Q4_1's m or minus a K-quant's dmin m).
 //
 // OpenMP splits the row tiles; each thread streams its tiles' weights once per
-// call, unpacking each block into registers once for up to kRowsPerPass
-// activation rows (decode batches fit in L2). Builds without AVX-512 VNNI but with
+// call, prefetching kPrefetchBlocks blocks ahead, unpacking each block into registers
+// once for up to kRowsPerPass activation rows (decode batches fit in L2). Builds without AVX-512 VNNI but with
 // AVX2 take the same integer sums in 8-row halves of each tile, llama.cpp's AVX2 way
 // (`vpmaddubsw` pairs of uint8 x int8 products into int16, then `vpmaddwd` into int32;
 // Q8_0's signed weights through the sign trick so that no pair saturates); others
@@ -130,10 +130,32 @@ struct Activations {
   const int8_t* q;   // (M, K), value order
   const float* d;    // (M, K / 32)
   const int32_t* s;  // (M, K / 32, 2): sums per half block
+  const float* ds;   // (M, K / 32): d * float(s[0] + s[1]), the min term's factor (as the loops computed it)
 };
 
 // Activation rows unpacked against each weight block while it sits in registers.
 constexpr int kRowsPerPass = 8;
+
+#if defined(ARBORLM_QUANT_ROW_LANES)
+// How many blocks (of 16 rows) ahead the tile loops prefetch the weight stream: a
+// decode step reads each weight once, and a call's stream (a few hundred KB per thread)
+// ends before the hardware prefetcher reaches full depth; with several activation rows
+// per block the loads would otherwise wait between the rows' dot products.
+constexpr int64_t kPrefetchBlocks = 8;
+
+// Prefetch block blk's quants, scales and mins (addresses past the end are harmless:
+// a prefetch never faults).
+template <int F>
+inline void prefetch_block(const Weight& w, int64_t blk) {
+  const char* q = reinterpret_cast<const char*>(w.q + blk * kTile * block_bytes(F));
+  for (int64_t off = 0; off < kTile * block_bytes(F); off += 64) _mm_prefetch(q + off, _MM_HINT_T0);
+  if constexpr (!is_k_quant(F)) {
+    _mm_prefetch(reinterpret_cast<const char*>(w.d + blk * kTile), _MM_HINT_T0);
+    if constexpr (F == kQ4_1) _mm_prefetch(reinterpret_cast<const char*>(w.m + blk * kTile), _MM_HINT_T0);
+  }
+}
+
+#endif
 
 #if defined(ARBORLM_QUANT_AVX512)
 inline __m512 load_f16x16(const uint16_t* p) {
@@ -211,6 +233,9 @@ inline BlockScales block_scales(const Weight& w, int64_t t, int64_t nb, int64_t 
 // One 16-row tile x R activation rows: acc[r] lane l = y[m0 + r, 16 t + l].
 template <int F, int R>
 void tile_rows(const Weight& w, int64_t t, int64_t nb, const Activations& a, int64_t K, int64_t m0, __m512* acc) {
+  // With few rows two chains of `vpdpbusd` hide its latency; with more the rows
+  // interleave, and one chain saves each row an add (integer sums: the same bits).
+  constexpr int kChains = (F == kQ6_K || R < 4) ? 2 : 1;
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   __m512 dsup = _mm512_setzero_ps(), msup = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
@@ -221,6 +246,7 @@ void tile_rows(const Weight& w, int64_t t, int64_t nb, const Activations& a, int
         if constexpr (F != kQ6_K) msup = load_f16x16(w.m + sup * kTile);
       }
     }
+    prefetch_block<F>(w, t * nb + b + kPrefetchBlocks);
     __m512i wq[8];
     unpack_block<F>(w, t * nb + b, wq);
     const BlockScales sc = block_scales<F>(w, t, nb, b, dsup, msup);
@@ -231,7 +257,8 @@ void tile_rows(const Weight& w, int64_t t, int64_t nb, const Activations& a, int
       const __m512 da = _mm512_set1_ps(a.d[m * nb + b]);
       __m512i dot[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
       for (int c = 0; c < 8; ++c) {  // chunks 0-3 are values 0-15, 4-7 values 16-31
-        dot[c / 4] = _mm512_dpbusd_epi32(dot[c / 4], wq[c], _mm512_set1_epi32(load_i32(x + 4 * c)));
+        __m512i& chain = dot[kChains == 2 ? c / 4 : 0];
+        chain = _mm512_dpbusd_epi32(chain, wq[c], _mm512_set1_epi32(load_i32(x + 4 * c)));
       }
       if constexpr (F == kQ6_K) {  // two scales: each half on its own
         for (int h = 0; h < 2; ++h) {
@@ -239,11 +266,11 @@ void tile_rows(const Weight& w, int64_t t, int64_t nb, const Activations& a, int
           acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(sc.d[h], da), acc[r]);
         }
       } else {
-        __m512i q = _mm512_add_epi32(dot[0], dot[1]);
+        __m512i q = kChains == 2 ? _mm512_add_epi32(dot[0], dot[1]) : dot[0];
         if constexpr (quant_offset(F) != 0) q = _mm512_sub_epi32(q, _mm512_set1_epi32(quant_offset(F) * (s[0] + s[1])));
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(sc.d[0], da), acc[r]);
         if constexpr (F == kQ4_1 || F == kQ4_K || F == kQ5_K) {
-          acc[r] = _mm512_fmadd_ps(sc.min, _mm512_mul_ps(da, _mm512_set1_ps(static_cast<float>(s[0] + s[1]))), acc[r]);
+          acc[r] = _mm512_fmadd_ps(sc.min, _mm512_set1_ps(a.ds[m * nb + b]), acc[r]);
         }
       }
     }
@@ -359,23 +386,6 @@ inline void unpack_half(const Weight& w, int64_t blk, int half, __m256i* wq) {
   }
 }
 
-// How many blocks (of 16 rows) ahead `half_tile_rows` prefetches the weight stream:
-// a decode step reads each weight once, and a call's stream (a few hundred KB per
-// thread) ends before the hardware prefetcher reaches full depth.
-constexpr int64_t kPrefetchBlocks = 8;
-
-// Prefetch block blk's quants, scales and mins (addresses past the end are harmless:
-// a prefetch never faults).
-template <int F>
-inline void prefetch_block(const Weight& w, int64_t blk) {
-  const char* q = reinterpret_cast<const char*>(w.q + blk * kTile * block_bytes(F));
-  for (int64_t off = 0; off < kTile * block_bytes(F); off += 64) _mm_prefetch(q + off, _MM_HINT_T0);
-  if constexpr (!is_k_quant(F)) {
-    _mm_prefetch(reinterpret_cast<const char*>(w.d + blk * kTile), _MM_HINT_T0);
-    if constexpr (F == kQ4_1) _mm_prefetch(reinterpret_cast<const char*>(w.m + blk * kTile), _MM_HINT_T0);
-  }
-}
-
 struct BlockScales8 {
   __m256 d[2];
   __m256 min;
@@ -456,7 +466,7 @@ void half_tile_rows(const Weight& w, int64_t t, int64_t nb, const Activations& a
         if constexpr (offset != 0) q = _mm256_sub_epi32(q, _mm256_set1_epi32(offset * (s[0] + s[1])));
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(sc.d[0], da), acc[r]);
         if constexpr (F == kQ4_1 || F == kQ4_K || F == kQ5_K) {
-          acc[r] = _mm256_fmadd_ps(sc.min, _mm256_mul_ps(da, _mm256_set1_ps(static_cast<float>(s[0] + s[1]))), acc[r]);
+          acc[r] = _mm256_fmadd_ps(sc.min, _mm256_set1_ps(a.ds[m * nb + b]), acc[r]);
         }
       }
     }
@@ -553,19 +563,25 @@ Activations quantize_activations(const void* x, int64_t ldx, int dtype, int64_t 
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> d;
   thread_local std::vector<int32_t> s;
+  thread_local std::vector<float> ds;
   const int64_t nb = K / kBlock, elem = dtype == kF32 ? 4 : 2;
   q.resize(static_cast<size_t>(M * K));
   d.resize(static_cast<size_t>(M * nb));
   s.resize(static_cast<size_t>(M * nb * 2));
+  ds.resize(static_cast<size_t>(M * nb));
   // Plain pointers: inside the parallel loop `q` would name each OpenMP thread's own buffer.
   int8_t* qp = q.data();
   float* dp = d.data();
   int32_t* sp = s.data();
+  float* dsp = ds.data();
 #pragma omp parallel for schedule(static) if (M * K >= (1 << 15))
   for (int64_t m = 0; m < M; ++m) {
     quantize_row(static_cast<const char*>(x) + m * ldx * elem, dtype, K, qp + m * K, dp + m * nb, sp + m * nb * 2);
+    for (int64_t b = 0; b < nb; ++b) {
+      dsp[m * nb + b] = dp[m * nb + b] * static_cast<float>(sp[(m * nb + b) * 2] + sp[(m * nb + b) * 2 + 1]);
+    }
   }
-  return Activations{qp, dp, sp};
+  return Activations{qp, dp, sp, dsp};
 }
 
 }  // namespace
