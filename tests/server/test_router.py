@@ -142,6 +142,23 @@ def test_dp_cache_aware_keeps_a_prefix_on_one_worker_and_slots_return(dp_server)
         assert info["free_kv_tokens"] + info["cached_kv_tokens"] == info["max_total_tokens"]
 
 
+def test_dp_a_client_disconnect_at_the_router_aborts_on_the_worker(dp_server):
+    # 900 tokens take the tiny model about a second; the client hangs up after the first event,
+    # the router drops its upstream connection and the worker aborts the request.
+    ports = sorted(_worker_pids(dp_server))
+    before = {p: _worker_info(p)["num_generated_tokens"] for p in ports}
+    body = {"text": "a long story", "stream": True, "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
+    with dp_server.client() as client, client.stream("POST", "/generate", json=body) as response:
+        assert response.status_code == 200
+        next(line for line in response.iter_lines() if line.startswith("data: {"))
+    after = {p: _worker_info(p) for p in ports}
+    generated = sum(after[p]["num_generated_tokens"] - before[p] for p in ports)
+    assert 0 < generated < 900, (before, after)  # stopped before its max_new_tokens
+    for info in after.values():
+        assert info["num_running_reqs"] == 0 and info["free_req_rows"] == info["total_req_rows"]
+        assert info["free_kv_tokens"] + info["cached_kv_tokens"] == info["max_total_tokens"]
+
+
 def test_dp_workers_run_on_disjoint_cores(dp_server):
     # Two workers whose kernels both spread over every core wait on each other's threads.
     cpus = sorted(os.sched_getaffinity(0))
