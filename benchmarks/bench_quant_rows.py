@@ -55,12 +55,12 @@ class BothPaths(quant_ops.NativeQuantOps):
     """`NativeQuantOps` with either path callable whatever the row count."""
 
     def linear_int8(self, x, weights):
-        saved = quant_ops.INT8_MAX_ROWS, quant_ops.INT8_MAX_ROWS_FLOAT32
-        quant_ops.INT8_MAX_ROWS = quant_ops.INT8_MAX_ROWS_FLOAT32 = 1 << 30
+        saved = quant_ops.INT8_MAX_ROWS, quant_ops.INT8_MAX_ROWS_PREFILL
+        quant_ops.INT8_MAX_ROWS = quant_ops.INT8_MAX_ROWS_PREFILL = 1 << 30
         try:
             return self.linear(x, weights)
         finally:
-            quant_ops.INT8_MAX_ROWS, quant_ops.INT8_MAX_ROWS_FLOAT32 = saved
+            quant_ops.INT8_MAX_ROWS, quant_ops.INT8_MAX_ROWS_PREFILL = saved
 
     def linear_dequantized(self, x, weights):
         return self._dequantized_linear(x, weights, None)

@@ -108,6 +108,13 @@ def _cpu_signature() -> str:
     return "\n".join(keep) or platform.machine()
 
 
+@functools.lru_cache(maxsize=1)
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX's bf16 tiles (its flags list `amx_bf16`); a fact of the machine,
+    read once."""
+    return " amx_bf16" in _cpu_signature()
+
+
 def cpu_has_avx512f() -> bool:
     """Whether this CPU has AVX-512F, so that the `-march=native` builds compile their
     AVX-512 loops (without it they run the scalar ones)."""

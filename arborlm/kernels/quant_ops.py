@@ -3,8 +3,8 @@
 `QuantizedLinear` and `QuantizedEmbedding` (`runtime/layers/quantization/`) call
 these ops with the weights `quant_layout.pack_ggml_blocks` packed at load:
 
-- `linear`: for decode-sized inputs (up to `int8_max_rows(dtype)` rows: 64 in bf16,
-  4096 in float32) the C++ kernel of `csrc/quant_linear.cpp` streams each weight
+- `linear`: for decode-sized inputs (up to `int8_max_rows(dtype)` rows: 64 in bf16 on
+  CPUs with AMX, else 4096, a whole prefill batch) the C++ kernel of `csrc/quant_linear.cpp` streams each weight
   block once per call, quantizing the activations to int8 per block of 32 and taking
   VNNI dot products (ggml's Q8_0 x Q8_0 / Q4_x x Q8_1 scheme); longer inputs
   (prefills) dequantize the weight to the activations' dtype (`csrc/quant_dequant.cpp`)
@@ -45,14 +45,17 @@ ABI_VERSION = 2
 # `arborlm_quant_simd`'s codes.
 SIMD_NAMES = {0: "scalar", 1: "avx512_vnni", 2: "avx2"}
 # Rows up to which the int8 kernel runs (`int8_max_rows`); more rows dequantize the weight
-# and take torch's GEMM. bf16 activations: 64, past which oneDNN's bf16 GEMM (AVX-512 BF16,
-# AMX) overtakes the int8 dot products (docs/benchmarks.md, "Quantized weights"). float32
-# activations (`auto` on CPUs without bf16): 4096 (a whole default prefill batch,
-# `max_prefill_tokens`); on an AVX2 EPYC the int8 kernel took 0.23-0.88x the time of the
-# float32 GEMM over the dequantized weight from 65 to 4096 rows, level with it (1.01x) only
-# for the 49152-row lm_head at 4096 (docs/kernels.md, "Prefills through the int8 kernel").
+# and take torch's GEMM. bf16 activations on a CPU with AMX: 64, past which oneDNN's AMX
+# bf16 GEMM overtakes the int8 dot products (docs/benchmarks.md, "Quantized weights").
+# float32 activations (`auto` on CPUs without bf16), and bf16 ones without AMX: 4096 (a
+# whole default prefill batch, `max_prefill_tokens`). On an AVX2 EPYC the int8 kernel took
+# 0.23-0.88x the time of the float32 GEMM over the dequantized weight from 65 to 4096 rows,
+# level with it (1.01x) only for the 49152-row lm_head at 4096; on an AVX-512 BF16 EPYC
+# without AMX 0.13-0.97x of oneDNN's bf16 GEMM (docs/kernels.md, "Prefills through the int8
+# kernel"). A prompt's rows then round as its decode steps do, whatever else shares the
+# prefill (docs/serving.md, "The same answer alone and under load").
 INT8_MAX_ROWS = 64
-INT8_MAX_ROWS_FLOAT32 = 4096
+INT8_MAX_ROWS_PREFILL = 4096
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
@@ -66,7 +69,9 @@ _SIGNATURES = {
 def int8_max_rows(dtype: torch.dtype) -> int:
     """The most rows of activations in `dtype` that `NativeQuantOps.linear` runs through the
     int8 kernel (more take the dequantized GEMM)."""
-    return INT8_MAX_ROWS_FLOAT32 if dtype == torch.float32 else INT8_MAX_ROWS
+    if dtype == torch.bfloat16 and cpu_ops.cpu_has_amx():
+        return INT8_MAX_ROWS
+    return INT8_MAX_ROWS_PREFILL
 
 
 class StackedWeights(tuple):

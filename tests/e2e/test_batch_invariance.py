@@ -60,3 +60,25 @@ def test_a_cold_chunked_server_answers_the_same(alone):
     finally:
         engine.shutdown()
     assert outs == [out for out in single for _ in range(2)]
+
+
+def test_bf16_copies_prefilled_together_answer_as_the_request_alone():
+    """bf16 activations: a prefill of many prompts (hundreds of rows) takes the int8 kernel
+    as a prompt alone does. Before, past 64 rows it dequantized the weights for oneDNN's
+    bf16 GEMM, which rounds differently: 0 of 8 chat prompts in a batch of 32 answered as
+    alone (the first token already differed)."""
+    from arborlm.kernels import cpu_ops
+
+    if cpu_ops.cpu_has_amx():
+        pytest.skip("on AMX CPUs bf16 prefills take the AMX GEMM and extend-attention kernels, which round "
+                    "differently from decode steps: bf16 answers there can still depend on the batch "
+                    "(float32 ones do not, tested above)")
+    engine = sgl.Engine(dtype="bfloat16", log_level="warning", disable_radix_cache=True)
+    try:
+        prompts = _prompts(engine)
+        single = [engine.generate(p, PARAMS)["output_ids"] for p in prompts]
+        batch = [p for p in prompts for _ in range(COPIES)]
+        together = [o["output_ids"] for o in engine.generate(batch, [PARAMS] * len(batch))]
+    finally:
+        engine.shutdown()
+    assert together == [out for out in single for _ in range(COPIES)]
