@@ -6,7 +6,10 @@ the model worker / KV manager restructuring (commit 2659038). float32 pins hold 
 CPU (they also agree with transformers where `test_smollm.py` checks it). bfloat16 (the
 default dtype) runs other kernels on a CPU with AMX than on one with only AVX-512, whose
 roundings differ, so its pins are keyed by that kernel path and checked where they were
-recorded.
+recorded. The `bfloat16/avx512-no-amx` pins were re-recorded at `c3b459b`, which computes a
+prefill's attention as decode rows (batch-invariant answers, docs/serving.md): of the four
+prompts three keep their tokens and the third now follows the float32 pin for all 32 tokens
+(17 before).
 """
 
 from __future__ import annotations
