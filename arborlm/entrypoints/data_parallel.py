@@ -44,13 +44,14 @@ WORKER_START_TIMEOUT_S = 1800.0  # a large model loads for minutes; SGLang's rou
 STOP_TIMEOUT_S = 30.0
 POLL_INTERVAL_S = 0.5
 # The router's health checks: a dead worker is dropped after this many failed checks this far apart.
-HEALTH_CHECK_INTERVAL_S = 2
+HEALTH_CHECK_INTERVAL_S = 1
 HEALTH_FAILURE_THRESHOLD = 2
-# Its circuit breaker: a worker whose requests fail this many times in a row is skipped (and the
-# router's retries go to another worker) until it is probed again after the timeout. The
-# router's defaults (10 failures, 60 s) send requests to a dead worker for many seconds.
-CB_FAILURE_THRESHOLD = 2
-CB_TIMEOUT_S = 10
+# Its circuit breaker stays off: sglang-router 0.3.2 counts a worker's 4xx answers as failures,
+# so a few bad requests (a client's own 400s) opened both workers' breakers and every client
+# got 503 "no available workers" for the breaker's timeout. A dead worker is dropped by the
+# health checks above instead (within about 2 s); requests the router sends it until then
+# fail with a 5xx, where the breaker would have retried them on the other worker.
+DISABLE_CIRCUIT_BREAKER = True
 
 
 class RouterMissingError(ArborError):
@@ -112,8 +113,7 @@ def router_kwargs(server_args: ServerArgs, workers: list[WorkerSpec], metrics_po
         "max_payload_size": cfg.max_request_bytes,
         "health_check_interval_secs": HEALTH_CHECK_INTERVAL_S,
         "health_failure_threshold": HEALTH_FAILURE_THRESHOLD,
-        "cb_failure_threshold": CB_FAILURE_THRESHOLD,
-        "cb_timeout_duration_secs": CB_TIMEOUT_S,
+        "disable_circuit_breaker": DISABLE_CIRCUIT_BREAKER,
         "log_level": {"debug": "debug", "info": "info", "warning": "warn"}.get(cfg.log_level, "error"),
     }
 

@@ -159,6 +159,22 @@ def test_dp_a_client_disconnect_at_the_router_aborts_on_the_worker(dp_server):
         assert info["free_kv_tokens"] + info["cached_kv_tokens"] == info["max_total_tokens"]
 
 
+def test_dp_bad_requests_do_not_take_the_workers_out(dp_server):
+    # A worker's 400 is the client's own error: the router must keep routing to that worker.
+    with dp_server.client() as client:
+        for _ in range(6):
+            bad = client.post("/v1/chat/completions", json={
+                "model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**6})
+            assert bad.status_code == 400, bad.text
+            refused = client.post("/generate", json={**_greedy("x"), "return_hidden_states": True})
+            assert refused.status_code == 400 and "return_hidden_states" in refused.text
+        for i in range(4):
+            good = client.post("/generate", json=_greedy(f"right after the bad ones {i}"))
+            assert good.status_code == 200, good.text
+        workers = client.get("/workers").json()["workers"]
+    assert sum(w["is_healthy"] for w in workers) == 2, workers
+
+
 def test_dp_workers_run_on_disjoint_cores(dp_server):
     # Two workers whose kernels both spread over every core wait on each other's threads.
     cpus = sorted(os.sched_getaffinity(0))
@@ -175,10 +191,21 @@ def test_dp_a_killed_worker_is_taken_out_and_the_other_serves(dp_server):
     assert len(pids) == 2
     victim = min(pids)
     os.kill(pids[victim], signal.SIGKILL)
-    ok = 0
+    ok, failed = 0, []
     with dp_server.client() as client:
+        # The router's health checks (every second) drop the dead worker within a few seconds;
+        # a request it sends there until then fails with a 5xx, never a hang.
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if sum(w["is_healthy"] for w in client.get("/workers").json()["workers"]) == 1:
+                break
+            r = client.post("/generate", json=_greedy("during the crash"))
+            if r.status_code != 200:
+                failed.append(r.status_code)
+            time.sleep(0.2)
         for i in range(6):
             r = client.post("/generate", json=_greedy(f"after the crash {i}"))
             ok += r.status_code == 200
+    assert all(500 <= code < 600 for code in failed), failed
     assert ok == 6, dp_server.log()[-3000:]
     assert dp_server.process.poll() is None  # the command keeps running with one worker
