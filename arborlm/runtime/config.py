@@ -411,8 +411,10 @@ MAX_TP_SIZE = 64
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Data parallelism (several scheduler workers behind SGLang's router, `sglang-router`) and
-    tensor parallelism (one model split over `tp_size` ranks, `arborlm/runtime/distributed/`)."""
+    """Data and tensor parallelism: workers behind SGLang's router, one model split over ranks.
+
+    Data parallelism runs several scheduler workers behind `sglang-router`; tensor
+    parallelism splits one model over `tp_size` ranks (`arborlm/runtime/distributed/`)."""
 
     tp_size: int = field(
         default=1,
