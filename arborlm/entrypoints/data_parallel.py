@@ -148,11 +148,15 @@ def _run_worker(server_args: ServerArgs) -> None:
 
 
 def _run_router(kwargs: dict[str, Any]) -> None:
-    """The router process: sglang-router's Rust gateway, in the foreground until a signal."""
+    """The router process: sglang-router's Rust gateway, in the foreground until a signal.
+
+    Ctrl-C in a terminal reaches this process too (the whole process group): the gateway
+    stops, and the KeyboardInterrupt it leaves is the expected way out, not a traceback."""
     from sglang_router.launch_router import launch_router
     from sglang_router.router_args import RouterArgs
 
-    launch_router(RouterArgs(**kwargs))
+    with contextlib.suppress(KeyboardInterrupt):
+        launch_router(RouterArgs(**kwargs))
 
 
 def launch_data_parallel(server_args: ServerArgs) -> None:
