@@ -16,11 +16,8 @@ Imports no torch: the front process starts the workers.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Iterator, Sequence
-
-logger = logging.getLogger("arborlm.cpu_binding")
 
 
 def available_cpus() -> tuple[int, ...]:

@@ -24,7 +24,6 @@ from arborlm.radix_cache.memory_pool import (
     kv_cache_torch_dtype,
 )
 from arborlm.runtime.config import ServerArgs
-from arborlm.runtime.cpu_binding import cpu_threads
 from arborlm.runtime.distributed.communication import all_reduce_min, barrier
 from arborlm.runtime.distributed.parallel_state import ParallelState
 from arborlm.runtime.distributed.step_sync import StepBroadcaster
@@ -35,6 +34,7 @@ from arborlm.runtime.model_loader import (
     resolve_checkpoint,
     resolve_dtype,
     resolve_quantization,
+    set_cpu_threads,
 )
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class ModelRunner:
         self.device = resolve_device(server_args.model.device) if parallel is None else parallel.device
         self.parallel = parallel if parallel is not None else ParallelState(device=self.device)
         if self.device.type == "cpu":
-            torch.set_num_threads(cpu_threads())
+            set_cpu_threads()  # this process's cores: a data-parallel worker's or rank's slice (`cpu_binding`)
         self.dtype = resolve_dtype(server_args.model.dtype, self.device)
         self.kv_dtype = kv_cache_torch_dtype(server_args.cache.kv_cache_dtype, self.dtype)
         quantization = server_args.model.quantization
@@ -97,9 +97,6 @@ class ModelRunner:
         )
         self.model, self.hf_config, self.checkpoint = loaded.model, loaded.hf_config, loaded.checkpoint
         self.architecture = loaded.architecture
-        if self.device.type == "cpu":
-            # Each rank runs on its own slice of the cores (`cpu_binding`), which may be all of them.
-            torch.set_num_threads(cpu_threads())
         self.step_broadcaster = (StepBroadcaster(self.parallel)
                                  if self.parallel.is_parallel and self.parallel.tp_rank == 0 else None)
         self._init_pools()
