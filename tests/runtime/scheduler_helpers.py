@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from arborlm.constrained.grammar_spec import grammar_spec_from_params
 from arborlm.radix_cache.memory_pool import ReqToTokenPool, TokenToKVPool, TokenToKVPoolAllocator
 from arborlm.runtime.config import ServerArgs
 from arborlm.runtime.io_struct import ModelInfo, ReqOutput, TokenizedGenerateReqInput
@@ -32,10 +33,13 @@ def create_scheduler(model_dir, tokenizer, **overrides) -> Scheduler:
 
 
 def make_req(rid: str, input_ids: list[int], seed: int = 0, **sampling) -> TokenizedGenerateReqInput:
+    """A tokenized request as the front makes it: a ``json_schema``, ``regex`` or ``ebnf`` in
+    ``sampling`` becomes its grammar (the scheduler constrains by ``grammar`` alone)."""
     sampling.setdefault("temperature", 0.0)
     params = SamplingParams(**sampling).normalized()
     params.verify(49152)
-    return TokenizedGenerateReqInput(rid=rid, input_ids=list(input_ids), sampling_params=params, seed=seed)
+    return TokenizedGenerateReqInput(rid=rid, input_ids=list(input_ids), sampling_params=params, seed=seed,
+                                     grammar=grammar_spec_from_params(params, "auto"))
 
 
 @dataclass
