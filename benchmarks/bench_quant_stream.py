@@ -75,6 +75,13 @@ def one_pass(ops: quant_ops.NativeQuantOps, weights, xs: dict[int, torch.Tensor]
     return time.perf_counter() - start
 
 
+def read_pass(buffer: torch.Tensor) -> float:
+    """Seconds for one plain read of ``buffer`` (a uint8 tensor of a pass's bytes): the floor."""
+    start = time.perf_counter()
+    buffer.amax()
+    return time.perf_counter() - start
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,4,7,8,16,32", help="activation rows per call")
@@ -91,25 +98,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{variants['this'].simd} loops, bf16 activations, {torch.get_num_threads()} threads, "
           f"{gb * 1e3:.0f} MB of weights per pass, median of {args.repeats}")
     names = list(variants)
+    buffer = torch.ones(weight_bytes(args.layers), dtype=torch.uint8)
     header = " | ".join(f"{n} (ms) | {n} GB/s | {n} / 1 row" for n in names)
-    print(f"| rows | {header} |" + (" this / against |" if len(names) == 2 else ""))
-    print("|---:|" + "---:|---:|---:|" * len(names) + ("---:|" if len(names) == 2 else ""))
+    print(f"| rows | {header} | plain read GB/s | this / read |" + (" this / against |" if len(names) == 2 else ""))
+    print("|---:|" + "---:|---:|---:|" * len(names) + "---:|---:|" + ("---:|" if len(names) == 2 else ""))
     first: dict[str, float] = {}
     for m in [int(r) for r in args.rows.split(",")]:
         gen = torch.Generator().manual_seed(m)
         xs = {k: torch.randn(m, k, generator=gen).to(torch.bfloat16) for k in {k for _, _, k in LAYER_SHAPES}}
-        times: dict[str, list[float]] = {n: [] for n in names}
+        times: dict[str, list[float]] = {n: [] for n in names + ["read"]}
         for n in names:
             one_pass(variants[n], weights, xs)  # warm-up
-        for _ in range(args.repeats):
+        read_pass(buffer)
+        for _ in range(args.repeats):  # the read floor in the same alternation, so drift falls on it too
             for n in names:
                 times[n].append(one_pass(variants[n], weights, xs))
+            times["read"].append(read_pass(buffer))
         med = {n: statistics.median(t) for n, t in times.items()}
         for n in names:
             first.setdefault(n, med[n])
         cells = " | ".join(f"{med[n] * 1e3:.2f} | {gb / med[n]:.1f} | {med[n] / first[n]:.2f}x" for n in names)
         ratio = f" {med['this'] / med['against']:.2f}x |" if len(names) == 2 else ""
-        print(f"| {m} | {cells} |{ratio}", flush=True)
+        floor = f" {gb / med['read']:.1f} | {med['this'] / med['read']:.2f}x |"
+        print(f"| {m} | {cells} |{floor}{ratio}", flush=True)
     return 0
 
 

@@ -106,7 +106,7 @@ class Scheduler:
         self.new_token_ratio = sched.init_new_token_ratio
         self.pending_outputs: list[ReqOutput] = []
         self.speculator = spec.make_speculator(server_args.speculative, self.model_info.context_length,
-                                               getattr(worker, "draft_worker", None))
+                                               getattr(worker, "draft_worker", None), tokenizer=self.tokenizer)
         self.stats = {
             "num_prompt_tokens": 0,
             "num_cached_tokens": 0,

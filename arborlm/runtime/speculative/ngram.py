@@ -12,7 +12,15 @@ Two sources, tried in order for each request of a decode step:
    arXiv 2411.04975, reduced to a bounded n-gram table): what another finished
    request generated after the same ``max_match``..``min_match`` tokens.
 
-Both indexes are plain dicts from an n-gram (a tuple of token ids) to where it
+3. **Prompt lookup on text**, for constrained requests when neither found anything
+   (`scheduling.Speculator` gives it those only): the longest suffix (at
+   least `TextLookup.min_chars` characters) of the request's last tokens decoded
+   that occurs in its prompt's text; the draft is what followed it there,
+   tokenized. A value copied from the prompt into JSON or code is often tokenized
+   differently from the prompt (``"Alan`` after a quote against `` Alan`` after a
+   space), so no token n-gram recurs although the text does.
+
+The first two indexes are plain dicts from an n-gram (a tuple of token ids) to where it
 ended, so a lookup costs a few dict probes per request and step; the per-request
 index is extended incrementally as the request's tokens grow.
 """
@@ -107,8 +115,62 @@ class RecentOutputIndex:
         return []
 
 
+# The prompt tokens `TextLookup` searches (the last ones): decoding them costs the scheduler
+# ~1 ms per thousand tokens once per request, and each lookup scans their text.
+TEXT_LOOKUP_MAX_PROMPT_TOKENS = 16384
+
+
+@dataclass
+class TextLookup:
+    """Per-request prompt lookup on text (source 3 of the module docstring).
+
+    prompt_text: the request's prompt, decoded once; the draft comes from it.
+    min_chars: the shortest text suffix that may match (shorter ones match too
+        often by chance: every draft costs verify work).
+    tail_tokens: how many of the last tokens are decoded for the suffix.
+    """
+
+    prompt_text: str
+    min_chars: int = 3
+    tail_tokens: int = 3
+    chars_per_token: int = 8  # continuation text taken per draft token wanted
+
+    def propose(self, tokenizer, tokens: Sequence[int], num_draft_tokens: int) -> list[int]:
+        """Up to ``num_draft_tokens`` tokens of what followed, in the prompt's text, the longest
+        suffix of ``tokens``' last `tail_tokens` decoded ([] when none of ``min_chars`` occurs).
+
+        The continuation is tokenized after the tail's own text, so that a token merging
+        across the boundary drafts as the model would write it; when the tail itself
+        re-tokenizes differently, the continuation alone.
+        """
+        tail = list(tokens[-self.tail_tokens :])
+        tail_text = tokenizer.decode(tail, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if "\ufffd" in tail_text:  # the tail ends inside a UTF-8 character
+            return []
+        # Longest suffix first would scan the prompt once per length; a suffix that does not
+        # occur has no longer one that does, so grow from the shortest while it still occurs.
+        best = -1
+        n = self.min_chars
+        while n <= len(tail_text):
+            at = self.prompt_text.rfind(tail_text[-n:])
+            if at < 0:
+                break
+            best, n = at + n, n + 1
+        if best < 0:
+            return []
+        cont = self.prompt_text[best : best + self.chars_per_token * num_draft_tokens]
+        if not cont:
+            return []
+        ids = tokenizer.encode(tail_text + cont, add_special_tokens=False)
+        draft = ids[len(tail) :] if ids[: len(tail)] == tail else tokenizer.encode(cont, add_special_tokens=False)
+        if best + len(cont) < len(self.prompt_text):
+            draft = draft[:-1]  # the text was cut: its last token may be part of a longer one
+        return draft[:num_draft_tokens]
+
+
 class NgramDrafter:
-    """Drafts for one request: its own prompt lookup first, then other requests' outputs.
+    """Drafts for one request: its own prompt lookup first, then other requests' outputs, then
+    its prompt's text.
 
     Parameters
     ----------
@@ -116,26 +178,40 @@ class NgramDrafter:
         ``speculative_ngram_{min,max}_match_window_size``).
     capacity: keys kept in the cross-request `RecentOutputIndex` (0: off).
     num_draft_tokens: the longest draft (``speculative_num_draft_tokens``).
+    tokenizer: the model's Hugging Face tokenizer, for `TextLookup` (None: no text lookup).
     """
 
-    def __init__(self, min_match: int, max_match: int, capacity: int, num_draft_tokens: int):
+    def __init__(self, min_match: int, max_match: int, capacity: int, num_draft_tokens: int, tokenizer=None):
         self.min_match = min_match
         self.max_match = max_match
         self.num_draft_tokens = num_draft_tokens
         self.recent = RecentOutputIndex(min_match, max_match, capacity, num_draft_tokens)
+        self.tokenizer = tokenizer
 
     def new_index(self) -> PromptLookupIndex:
         """An empty per-request index (kept on the request, `Req.spec_state`)."""
         return PromptLookupIndex(self.min_match, self.max_match)
 
-    def propose(self, index: PromptLookupIndex, tokens: Sequence[int], max_len: int) -> list[int]:
-        """At most ``min(max_len, num_draft_tokens)`` draft tokens to follow ``tokens``."""
+    def new_text_lookup(self, prompt_ids: Sequence[int]) -> TextLookup | None:
+        """A request's `TextLookup` over its prompt (None without a tokenizer)."""
+        if self.tokenizer is None:
+            return None
+        ids = list(prompt_ids[-TEXT_LOOKUP_MAX_PROMPT_TOKENS:])
+        text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return TextLookup(text)
+
+    def propose(self, index: PromptLookupIndex, tokens: Sequence[int], max_len: int,
+                text: TextLookup | None = None) -> list[int]:
+        """At most ``min(max_len, num_draft_tokens)`` draft tokens to follow ``tokens``: the
+        first source of the module docstring that has some (``text``: the request's source 3)."""
         limit = min(max_len, self.num_draft_tokens)
         if limit <= 0:
             return []
         draft = index.propose(tokens, limit)
         if not draft:
             draft = self.recent.propose(tokens, limit)
+        if not draft and text is not None:
+            draft = text.propose(self.tokenizer, tokens, limit)
         return draft
 
     def on_finished(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:

@@ -133,3 +133,62 @@ def test_a_copy_drafts_at_every_step(preamble, min_match, max_match, k, want):
     """No undrafted step inside a copy: each step's draft is the rest of the passage."""
     prompt = [1, 2, 3] + PASSAGE + [4, 5]
     assert copy_trace(prompt, preamble + PASSAGE, min_match, max_match, k) == want
+
+
+# ---- prompt lookup on text ---------------------------------------------------
+
+RECORD_PROMPT = "Record: name: Alan Turing; city: London; year: 1912\nGive it as JSON."
+
+
+def test_text_lookup_drafts_a_value_the_token_ngrams_miss(tiny_tokenizer):
+    """A value copied into JSON after a quote tokenizes unlike the prompt's: no token n-gram
+    recurs, the text does, and the draft is the rest of the value as tokens."""
+    tok = tiny_tokenizer
+    prompt = tok.encode(RECORD_PROMPT, add_special_tokens=False)
+    output = tok.encode('{"name": "Alan', add_special_tokens=False)
+    tokens = prompt + output
+    drafter = NgramDrafter(2, 4, 0, 6, tok)
+    assert drafter.propose(drafter.new_index(), tokens, 6) == []  # token n-grams alone
+    draft = drafter.propose(drafter.new_index(), tokens, 6, drafter.new_text_lookup(prompt))
+    assert draft, "the text ' Turing; city: ...' follows 'Alan' in the prompt"
+    assert tok.decode(draft).startswith(" Turing;")
+    assert len(draft) <= 6
+
+
+def test_text_lookup_without_a_match_or_a_tokenizer_drafts_nothing(tiny_tokenizer):
+    tok = tiny_tokenizer
+    prompt = tok.encode(RECORD_PROMPT, add_special_tokens=False)
+    tokens = prompt + tok.encode('{"name": "Zq', add_special_tokens=False)
+    drafter = NgramDrafter(2, 4, 0, 6, tok)
+    assert drafter.propose(drafter.new_index(), tokens, 6, drafter.new_text_lookup(prompt)) == []
+    assert NgramDrafter(2, 4, 0, 6).new_text_lookup(prompt) is None
+
+
+def test_text_lookup_tokenizes_across_the_boundary(tiny_tokenizer):
+    """The draft is what the tokenizer makes of the tail's text and the continuation together,
+    so greedy acceptance compares it with the tokens the model would write."""
+    tok = tiny_tokenizer
+    prompt = tok.encode("The summary: The radix cache keeps every prefix.", add_special_tokens=False)
+    output = tok.encode('{"summary": "The radix', add_special_tokens=False)
+    lookup = NgramDrafter(2, 4, 0, 4, tok).new_text_lookup(prompt)
+    whole = tok.encode('{"summary": "The radix cache keeps every prefix.', add_special_tokens=False)
+    assert whole[: len(output)] == output
+    assert lookup.propose(tok, prompt + output, 4) == whole[len(output) : len(output) + 4]
+    # A continuation cut mid-text loses its last token (it may be the start of a longer one).
+    lookup.chars_per_token = 3  # 12 characters: " cache keeps"
+    assert lookup.propose(tok, prompt + output, 4) == whole[len(output) : len(output) + 1]
+
+
+def test_text_lookup_is_for_constrained_requests_only(tiny_tokenizer):
+    """Free text drafts from token n-grams alone (its own text lookups cost more than they won)."""
+    from types import SimpleNamespace
+
+    from arborlm.runtime.config import SpeculativeConfig
+    from arborlm.runtime.speculative.scheduling import Speculator
+
+    spec = Speculator(SpeculativeConfig(speculative_algorithm="NGRAM"), 1024, tokenizer=tiny_tokenizer)
+    prompt = tiny_tokenizer.encode(RECORD_PROMPT, add_special_tokens=False)
+    free = SimpleNamespace(spec_state=None, grammar=None, origin_input_ids=prompt)
+    constrained = SimpleNamespace(spec_state=None, grammar=object(), origin_input_ids=prompt)
+    assert spec._state(free).text is None
+    assert spec._state(constrained).text.prompt_text == tiny_tokenizer.decode(prompt)

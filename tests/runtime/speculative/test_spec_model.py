@@ -146,3 +146,49 @@ def test_greedy_identity_on_the_default_model(smollm_dir):
     info = sched.get_info()
     assert info["avg_spec_accept_length"] > 2.0
     assert on.steps < off.steps
+
+
+def test_json_extraction_drafts_from_the_prompt_text_on_the_default_model(smollm_dir, monkeypatch):
+    """SmolLM2 copying a record's values into JSON: the values tokenize unlike the prompt's
+    (after a quote), the prompt lookup on text drafts them, and the output is the same tokens
+    as without speculation and validates."""
+    import json
+
+    import jsonschema
+    from transformers import AutoTokenizer
+
+    from arborlm.runtime.speculative.ngram import TextLookup
+
+    tok = AutoTokenizer.from_pretrained(str(smollm_dir))
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"}},
+              "required": ["name", "city"]}
+    records = [("Alan Turing", "Manchester"), ("Grace Hopper", "New York")]
+    prompts = [tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": f"Record: name: {name}; city: {city}\nGive this record as JSON with "
+                                     "the keys name and city, copying the values."}],
+        add_generation_prompt=True, tokenize=False)) for name, city in records]
+    drafted = []
+    propose = TextLookup.propose
+
+    def counting(self, tokenizer, tokens, num_draft_tokens):
+        draft = propose(self, tokenizer, tokens, num_draft_tokens)
+        drafted.append(len(draft))
+        return draft
+
+    monkeypatch.setattr(TextLookup, "propose", counting)
+
+    def reqs():
+        return [make_req(f"r{i}", ids, max_new_tokens=40, json_schema=json.dumps(schema)) for i, ids in enumerate(prompts)]
+
+    def make(**kw):
+        return create_scheduler(smollm_dir, tok, quantization="none", max_total_tokens=1024,
+                                speculative_adaptive=False, **kw)
+
+    off, on, sched = both(make, reqs)
+    assert on.tokens == off.tokens
+    for rid in on.tokens:
+        assert on.finish[rid]["type"] == "stop"
+        value = json.loads(tok.decode(on.tokens[rid], skip_special_tokens=True))
+        jsonschema.validate(value, schema)
+    assert sum(drafted) > 0, "the text lookup drafted nothing"
+    assert sched.get_info()["spec_num_accepted_tokens"] > 0
