@@ -50,14 +50,24 @@ def _weights(linear) -> fused.LinearWeights | fused.QuantLinearWeights:
 
 
 def _packs(layer) -> tuple:
-    """The packed weights a layer's params point into (rebuilt when one changes)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    # getattr: an MoE layer has no such attribute (and no fused params).
-    modules = (getattr(attn, "qkv_proj", None), getattr(attn, "o_proj", None), getattr(mlp, "gate_up_proj", None),
-               getattr(mlp, "down_proj", None))
-    # A quantized linear's packed parts are its `weights` (replaced by `set_weights`).
-    return tuple(m.weights if isinstance(m, QuantizedLinear) else getattr(m, "packed_weight", None)
-                 for m in modules)
+    """The packed weights a layer's params point into (rebuilt when one changes).
+
+    Checked for every layer of every decode step, so it reads the modules' dicts
+    directly: `nn.Module.__getattr__` made this check 0.8 ms of a 7.5 ms batch-1 step
+    of the default model (30 layers), where the dicts take a few microseconds.
+    """
+    attn, mlp = layer._modules["self_attn"]._modules, layer._modules["mlp"]._modules
+    # .get: an MoE layer has no such module (and no fused params).
+    return (_pack_of(attn.get("qkv_proj")), _pack_of(attn.get("o_proj")), _pack_of(mlp.get("gate_up_proj")),
+            _pack_of(mlp.get("down_proj")))
+
+
+def _pack_of(module) -> object | None:
+    """A quantized linear's packed parts are its `weights` (replaced by `set_weights`), a plain
+    linear's its `packed_weight` (replaced by `pack`): plain attributes, in the module's dict."""
+    if module is None:
+        return None
+    return module.__dict__.get("weights" if isinstance(module, QuantizedLinear) else "packed_weight")
 
 
 class FusedDecode:
@@ -157,10 +167,13 @@ class FusedDecode:
 
     def _layer_params(self, layer) -> fused.LayerParams | None:
         entry = self._layers.get(id(layer))
-        if entry is not None and entry[0] is layer and all(a is b for a, b in zip(entry[1], _packs(layer))):
-            return entry[2]
+        packs = _packs(layer)
+        if entry is not None and entry[0] is layer:
+            old = entry[1]  # the four projections' packs, compared without a generator (every step)
+            if old[0] is packs[0] and old[1] is packs[1] and old[2] is packs[2] and old[3] is packs[3]:
+                return entry[2]
         params = self._build_layer(layer)
-        self._layers[id(layer)] = (layer, _packs(layer), params)
+        self._layers[id(layer)] = (layer, packs, params)
         return params
 
     def _build_layer(self, layer) -> fused.LayerParams | None:
