@@ -41,6 +41,7 @@ from arborlm.runtime.sampling import (
     filter_probs,
     invalid_logit_rows,
     make_generator,
+    row_max,
 )
 from arborlm.runtime.schedule_batch import Req
 
@@ -150,9 +151,9 @@ class DraftVerifier:
         info = self._batch_info(row_reqs, logits.device)
         outputs = [req.output_ids + d[:j] for req, d in zip(reqs, drafts) for j in range(len(d) + 1)]
         logits = self._process_logits(logits, info, row_reqs, outputs)
-        row_max = logits.max(dim=-1)
-        invalid = set(invalid_logit_rows(logits, row_max.values))
-        argmax = row_max.indices.tolist()
+        maxima, argmax_ids = row_max(logits)
+        invalid = set(invalid_logit_rows(logits, maxima))
+        argmax = argmax_ids.tolist()
         probs = self._sampling_probs(logits, info, invalid)
         emitted_ids: list[int] = []
         emitted_rows: list[int] = []
