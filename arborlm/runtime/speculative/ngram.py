@@ -27,9 +27,12 @@ index is extended incrementally as the request's tokens grow.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -197,7 +200,11 @@ class NgramDrafter:
         if self.tokenizer is None:
             return None
         ids = list(prompt_ids[-TEXT_LOOKUP_MAX_PROMPT_TOKENS:])
-        text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        try:
+            text = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        except Exception:  # noqa: BLE001 - drafts are optional: a prompt the tokenizer cannot decode drafts without it
+            logger.debug("prompt lookup on text off for a prompt the tokenizer cannot decode", exc_info=True)
+            return None
         return TextLookup(text)
 
     def propose(self, index: PromptLookupIndex, tokens: Sequence[int], max_len: int,
@@ -211,7 +218,11 @@ class NgramDrafter:
         if not draft:
             draft = self.recent.propose(tokens, limit)
         if not draft and text is not None:
-            draft = text.propose(self.tokenizer, tokens, limit)
+            try:
+                draft = text.propose(self.tokenizer, tokens, limit)
+            except Exception:  # noqa: BLE001 - drafts are optional: never fail a step over one
+                logger.debug("prompt lookup on text failed; no draft this step", exc_info=True)
+                draft = []
         return draft
 
     def on_finished(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:

@@ -192,3 +192,22 @@ def test_text_lookup_is_for_constrained_requests_only(tiny_tokenizer):
     constrained = SimpleNamespace(spec_state=None, grammar=object(), origin_input_ids=prompt)
     assert spec._state(free).text is None
     assert spec._state(constrained).text.prompt_text == tiny_tokenizer.decode(prompt)
+
+
+def test_a_tokenizer_failure_drafts_nothing_instead_of_failing_the_step(tiny_tokenizer):
+    """Drafts are optional: a tokenizer that raises on some ids costs the request its text
+    drafts, never the step (which would abort every request in it)."""
+
+    class Failing:
+        def decode(self, *args, **kwargs):
+            raise OverflowError("number too small to fit in target type")
+
+        def encode(self, *args, **kwargs):
+            raise AssertionError("not reached")
+
+    prompt = tiny_tokenizer.encode(RECORD_PROMPT, add_special_tokens=False)
+    drafter = NgramDrafter(2, 4, 0, 6, Failing())
+    assert drafter.new_text_lookup(prompt) is None
+    lookup = NgramDrafter(2, 4, 0, 6, tiny_tokenizer).new_text_lookup(prompt)
+    tokens = prompt + tiny_tokenizer.encode('{"name": "Alan', add_special_tokens=False)
+    assert drafter.propose(drafter.new_index(), tokens, 6, lookup) == []
