@@ -27,6 +27,15 @@ class InvalidRequestError(ArborError, ValueError):
         self.param = param
 
 
+
+class ContextLengthError(InvalidRequestError):
+    """Prompt (+ an explicit `max_new_tokens`) exceed the model's context.
+
+    `code` is OpenAI's error code for it, which HTTP answers carry.
+    """
+
+    code = "context_length_exceeded"
+
 class ModelLoadError(ArborError):
     """A model path that does not exist or an architecture that is not supported."""
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from arborlm.constrained.keys import GrammarError
-from arborlm.errors import EngineDeadError, InvalidRequestError
+from arborlm.errors import ContextLengthError, EngineDeadError, InvalidRequestError
 from arborlm.runtime.io_struct import GenerateReqInput, TokenizedGenerateReqInput
 from arborlm.runtime.tokenizer_manager import TokenizerManager
 from arborlm.sampling_params import MAX_N, SamplingParams
@@ -156,15 +156,6 @@ class DuplicateRequestIdError(InvalidRequestError):
 
 class CallTooLargeError(InvalidRequestError):
     """A call makes more requests than the server ever holds at once (not "busy": it never fits)."""
-
-
-class ContextLengthError(InvalidRequestError):
-    """Prompt + an explicit `max_new_tokens` exceed the model's context.
-
-    `code` is OpenAI's error code for it, which HTTP answers carry.
-    """
-
-    code = "context_length_exceeded"
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import zmq.asyncio
 from arborlm.constrained.grammar_spec import GrammarSpec, grammar_spec_from_params
 from arborlm.constrained.registry import resolved_backend
 from arborlm.errors import (
+    ContextLengthError,
     EngineDeadError,
     InvalidRequestError,
     RequestAbortedError,
@@ -197,7 +198,7 @@ class TokenizerManager:
             raise InvalidRequestError("the prompt is empty", param=prompt_param)
         context = self.model_info.context_length
         if len(input_ids) >= context:
-            raise InvalidRequestError(
+            raise ContextLengthError(
                 f"the prompt has {len(input_ids)} tokens; this server's context is {context} tokens "
                 "(prompt + at least one generated token)",
                 param=prompt_param,

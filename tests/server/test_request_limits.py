@@ -211,3 +211,19 @@ def test_tool_names_must_match_the_whole_pattern(name):
     with pytest.raises(APIError) as excinfo:
         plan_tools(req, "xgrammar")
     assert excinfo.value.param == "tools[0].function.name"
+
+
+def test_a_prompt_that_fills_the_context_is_a_context_length_error(manager):
+    """/generate answers it as every other context error: OpenAI's 400 `context_length_exceeded`
+    (its code was null where the prompt alone filled the context)."""
+    from arborlm.entrypoints import native_api
+    from arborlm.errors import ContextLengthError
+
+    full = GenerateReqInput(input_ids=[1] * MODEL_INFO.context_length)
+    with pytest.raises(ContextLengthError) as excinfo:
+        manager.build_request(full)
+    assert excinfo.value.param == "input_ids" and excinfo.value.code == "context_length_exceeded"
+    with pytest.raises(APIError) as api:
+        asyncio.run(native_api._build(manager, [full], NATIVE_RULES))
+    assert (api.value.status, api.value.code) == (400, "context_length_exceeded")
+    assert manager.build_request(GenerateReqInput(input_ids=[1] * (MODEL_INFO.context_length - 1)))
