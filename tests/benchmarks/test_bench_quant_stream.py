@@ -18,4 +18,6 @@ def test_stream_table_runs_against_a_second_build(capsys):
     here = Path(bench_quant_stream.__file__).resolve().parents[1]
     assert bench_quant_stream.main(["--rows", "1,7", "--repeats", "1", "--layers", "1", "--against", str(here)]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 |", "| 7 |"))]
-    assert len(rows) == 2 and all(len(row.split("|")) == 10 for row in rows)
+    # rows | this ms, GB/s, / 1 row | against ms, GB/s, / 1 row | plain read GB/s | this / read | this / against
+    assert len(rows) == 2 and all(len(row.split("|")) == 12 for row in rows)
+    assert all(float(row.split("|")[8]) > 0 and row.split("|")[9].strip().endswith("x") for row in rows)
