@@ -436,25 +436,24 @@ def test_smollm2_greedy_tokens_equal_with_the_fused_path_off(smollm_dir: Path, m
     assert on == off
 
 
-def test_a_repacked_weight_rebuilds_the_layer_params(family_dirs, monkeypatch):
+def test_a_replaced_weight_rebuilds_the_layer_params(family_dirs, monkeypatch):
     """The per-step check that the params still point into the layers' packed weights: a
-    weight changed and packed again after load is what the next fused step reads."""
+    weight replaced after load (`QuantizedLinear.set_weights`) is what the next fused step
+    reads. int8 weights: the fused layer takes them on every CPU the native kernels build on."""
+    import dataclasses
+
     from arborlm.runtime.model_loader import load_model
 
-    loaded = load_model(family_dirs["llama"], torch.bfloat16, torch.device("cpu"))
+    loaded = load_model(family_dirs["llama"], torch.float32, torch.device("cpu"), quantization="int8")
     model = loaded.model
-    if not _bf16_fused(model):
-        pytest.skip("bf16 linears here take oneDNN (no packed weight the fused layer reads): "
-                    "float32 and quantized layers read their weights' own storage")
     fd, layers = model.model.fused_decode, model.model.layers
     stack = fd._layer_stack(layers)
     assert stack is not None and fd._layer_stack(layers) is stack  # unchanged: the same params
     down = layers[1].mlp.down_proj
-    with torch.no_grad():
-        down.weight.mul_(-1.0)
-    down.pack()
+    # Other values: the quant rows of each 16-row tile in reverse order.
+    down.set_weights(tuple(dataclasses.replace(w, qs=w.qs.flip(0).contiguous()) for w in down.weights))
     rebuilt = fd._layer_stack(layers)
     assert rebuilt is not stack
     assert rebuilt.layers[0] is stack.layers[0] and rebuilt.layers[1] is not stack.layers[1]
-    on, off, calls = _greedy_on_off(loaded, torch.bfloat16, PROMPTS[:1], 4, monkeypatch)
-    assert calls > 0 and on == off  # the fused path follows the changed weight
+    on, off, calls = _greedy_on_off(loaded, torch.float32, PROMPTS[:1], 4, monkeypatch)
+    assert calls > 0 and on == off  # the fused path follows the replaced weight
