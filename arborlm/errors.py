@@ -27,7 +27,6 @@ class InvalidRequestError(ArborError, ValueError):
         self.param = param
 
 
-
 class ContextLengthError(InvalidRequestError):
     """Prompt (+ an explicit `max_new_tokens`) exceed the model's context.
 
@@ -35,6 +34,7 @@ class ContextLengthError(InvalidRequestError):
     """
 
     code = "context_length_exceeded"
+
 
 class ModelLoadError(ArborError):
     """A model path that does not exist or an architecture that is not supported."""
