@@ -32,6 +32,7 @@ import torch
 
 from arborlm.envs import ENVS
 from arborlm.errors import ModelLoadError
+from arborlm.kernels import cpu_linear
 from arborlm.runtime import gguf_config
 from arborlm.runtime.cpu_binding import cpu_threads
 from arborlm.runtime.gguf_mixtral import convert_mixtral
@@ -353,11 +354,7 @@ def _dequantize_kwargs() -> dict:
 
 def _has_native_bf16_cpu() -> bool:
     """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX-BF16 flags)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return cpu_linear.cpu_has_native_bf16()
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
