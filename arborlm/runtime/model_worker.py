@@ -30,7 +30,7 @@ from arborlm.runtime.sampling import Sampler, SamplingInfoCache, compute_logprob
 from arborlm.runtime.schedule_batch import Req
 from arborlm.runtime.speculative.draft_worker import make_draft_worker
 from arborlm.runtime.speculative.verify import DraftVerifier
-from arborlm.runtime.speculative.verify_batch import uses_verify_rows, verify_rows
+from arborlm.runtime.speculative.verify_batch import draft_rows, uses_verify_rows, verify_rows
 
 # Mask fill times kept for the structured-output benchmark (one entry per constrained request and step).
 MASK_FILL_SAMPLES = 1 << 16
@@ -279,7 +279,11 @@ class ModelWorker:
         rejection sampling (`speculative.verify`); `accept_lens` says how many each request took."""
         forward_batch = verify_rows(batch.forward_batch) if self.verify_as_rows else batch.forward_batch
         logits_output = self.model_runner.forward(forward_batch)
-        out = self.draft_verifier.verify(batch.reqs, batch.draft_tokens, logits_output.full_logits)
+        full_logits = logits_output.full_logits
+        rows = draft_rows(batch.forward_batch.extend_seq_lens_cpu, batch.draft_tokens)
+        if rows is not None:  # a jump's forced tokens ran before some drafts
+            full_logits = full_logits[torch.tensor(rows, device=full_logits.device)]
+        out = self.draft_verifier.verify(batch.reqs, batch.draft_tokens, full_logits)
         infos = [None if lp is None else LogprobInfo(*lp) for lp in out.logprobs]
         return GenerationResult(out.token_ids, infos, [None] * len(batch.reqs), out.accept_lens, out.invalid_rows)
 

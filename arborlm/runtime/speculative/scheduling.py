@@ -93,11 +93,16 @@ class Speculator:
                                     cfg.speculative_ngram_max_match_window_size,
                                     cfg.speculative_ngram_capacity, cfg.speculative_num_draft_tokens, self.tokenizer)
 
-    def propose_drafts(self, reqs: list[Req], free_slots: int) -> list[list[int]] | None:
+    # Drafts follow a jump's forced tokens in the same verify step (`Scheduler._jump_verify_batch`).
+    drafts_after_jumps = True
+
+    def propose_drafts(self, reqs: list[Req], free_slots: int, base_rows: int | None = None) -> list[list[int]] | None:
         """A draft per request of a decode step, or None when none has one (a plain decode).
 
-        free_slots: KV slots the step may take beyond one per request; drafts
-        are cut so their total fits.
+        free_slots: KV slots the step may take beyond the tokens the requests run
+        anyway; drafts are cut so their total fits.
+        base_rows: the rows the step runs without drafts (default one per request;
+        more where a request runs tokens a jump forced), for the cost model.
         """
         if self.batch_too_large(reqs):
             return None
@@ -109,7 +114,8 @@ class Speculator:
         lens = self.plan(reqs, [len(d) for d in drafts])
         for draft, n in zip(drafts, lens):
             del draft[n:]
-        self.policy.start_step(self.policy.VERIFY if any(lens) else self.policy.DECODE, len(reqs) + sum(lens))
+        rows = len(reqs) if base_rows is None else base_rows
+        self.policy.start_step(self.policy.VERIFY if any(lens) else self.policy.DECODE, rows + sum(lens))
         return drafts if any(lens) else None
 
     def batch_too_large(self, reqs: list[Req]) -> bool:
@@ -232,26 +238,35 @@ def check_invariants(speculator: Speculator | None, alive: list[Req]) -> None:
         speculator.check_invariants(alive)
 
 
-def verify_num_tokens(drafts: list[list[int]]) -> int:
-    """KV slots a verify step takes: one chain of 1 + len(draft) tokens per request."""
-    return sum(1 + len(d) for d in drafts)
+def pending_len(req: Req) -> int:
+    """Tokens ``req`` has without KV before its verify step's draft: 1 (its last token), or
+    1 + the tokens its grammar forced after it when it jumped forward."""
+    return req.seqlen - req.kv_len
+
+
+def verify_num_tokens(reqs: list[Req], drafts: list[list[int]]) -> int:
+    """KV slots a verify step takes: one chain of `pending_len` + len(draft) tokens per request."""
+    return sum(pending_len(r) + len(d) for r, d in zip(reqs, drafts))
 
 
 def build_verify_batch(reqs: list[Req], drafts: list[list[int]], req_to_token_pool, token_to_kv_pool,
                        out_cache_loc: torch.Tensor) -> ForwardBatch:
     """The verify step as an extend `ForwardBatch` with logits at every position.
 
-    Request i runs ``[output_ids[-1], *drafts[i]]`` at positions ``kv_len ..
-    kv_len + len(drafts[i])``; `out_cache_loc` (verify_num_tokens(drafts),) int64
-    holds their fresh slots, request after request, and is written into each
-    row of ``req_to_token``.
+    Request i runs ``[*fill_ids[kv_len:], *drafts[i]]`` (its last token, after
+    a jump the tokens its grammar forced, then its draft) at positions ``kv_len ..
+    seqlen - 1 + len(drafts[i])``; `out_cache_loc` (verify_num_tokens(reqs, drafts),)
+    int64 holds their fresh slots, request after request, and is written into
+    each row of ``req_to_token``. The forced tokens need no verification: their
+    rows' logits are not used (`verify_batch.draft_rows`).
     """
     input_ids: list[int] = []
     prefix_lens, extend_lens = [], []
     offset = 0
     for req, draft in zip(reqs, drafts):
-        n = 1 + len(draft)
-        input_ids.append(req.output_ids[-1])
+        pending = pending_len(req)
+        n = pending + len(draft)
+        input_ids.extend(req.output_ids[-pending:] if pending <= len(req.output_ids) else req.fill_ids[req.kv_len:])
         input_ids.extend(draft)
         req_to_token_pool.req_to_token[req.req_pool_idx, req.kv_len : req.kv_len + n] = (
             out_cache_loc[offset : offset + n].to(torch.int32))
@@ -332,6 +347,9 @@ def process_verify_result(scheduler, batch, result) -> list:
     outputs (the scheduler then aborts flagged rows and updates its running set).
     """
     kv = scheduler.kv
+    # Tokens before each chain's verified rows: a jumping request's forced tokens (see
+    # `build_verify_batch`); read before appending moves `seqlen`.
+    skipped = [pending_len(req) - 1 for req in batch.reqs]
     invalid = set(result.invalid_rows)
     tokens = split_verify_tokens(result.accept_lens, result.next_token_ids)
     infos = split_verify_tokens(result.accept_lens, result.logprob_infos)
@@ -339,13 +357,13 @@ def process_verify_result(scheduler, batch, result) -> list:
     try:
         appended = [_append_verified(scheduler, req, tokens[j], j in invalid) for j, (req, _) in enumerate(pairs)]
     except Exception:
-        for req, draft in pairs:
-            kv.free_slots(rejected_slots(kv.req_to_token_pool, req, len(draft), 0))
+        for (req, draft), skip in zip(pairs, skipped):
+            kv.free_slots(rejected_slots(kv.req_to_token_pool, req, skip + len(draft), 0))
         raise
     outputs = []
-    for j, ((req, draft), (kept, forced)) in enumerate(zip(pairs, appended)):
-        kv.free_slots(rejected_slots(kv.req_to_token_pool, req, len(draft), max(1, len(kept))))
-        req.kv_len += max(1, len(kept))
+    for j, ((req, draft), (kept, forced), skip) in enumerate(zip(pairs, appended, skipped)):
+        kv.free_slots(rejected_slots(kv.req_to_token_pool, req, skip + len(draft), skip + max(1, len(kept))))
+        req.kv_len += skip + max(1, len(kept))
         if j in invalid:
             outputs.append(scheduler.abort_non_finite(req))
             continue

@@ -35,6 +35,10 @@ class DraftModelSpeculator(Speculator):
     draft_worker: the model worker's draft model and its KV.
     """
 
+    # The draft model would first have to run a jump's forced tokens in its own KV: jumps
+    # keep their extend step (`Scheduler._jumps_take_drafts`).
+    drafts_after_jumps = False
+
     draft_worker: DraftWorker | None = None
 
     def __post_init__(self):

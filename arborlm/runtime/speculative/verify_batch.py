@@ -97,3 +97,21 @@ def verify_rows(chains: ForwardBatch) -> ForwardBatch:
         token_to_kv_pool=chains.token_to_kv_pool,
         return_full_logits=True,
     )
+
+
+def draft_rows(extend_seq_lens: list[int], drafts: list[list[int]]) -> list[int] | None:
+    """The rows of a verify step's logits that score its drafts, or None when that is all of them.
+
+    Request i's chain has ``extend_seq_lens[i]`` rows: the tokens it had without KV
+    (its last token and, after a jump forward, the tokens its grammar forced, which
+    need no verification), then its draft. `speculative.verify` takes the chain's
+    last ``1 + len(drafts[i])`` rows (the last token before the draft, then each
+    draft token); the others only store K/V.
+    """
+    if all(n == 1 + len(d) for n, d in zip(extend_seq_lens, drafts)):
+        return None
+    rows, offset = [], 0
+    for n, draft in zip(extend_seq_lens, drafts):
+        rows.extend(range(offset + n - 1 - len(draft), offset + n))
+        offset += n
+    return rows

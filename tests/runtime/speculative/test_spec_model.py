@@ -192,3 +192,71 @@ def test_json_extraction_drafts_from_the_prompt_text_on_the_default_model(smollm
         jsonschema.validate(value, schema)
     assert sum(drafted) > 0, "the text lookup drafted nothing"
     assert sched.get_info()["spec_num_accepted_tokens"] > 0
+
+
+def test_jump_forward_tokens_run_with_a_draft_after_them_on_the_default_model(smollm_dir, monkeypatch):
+    """A key the grammar forces is not an extend step of its own under NGRAM: its tokens
+    run in a verify step with the draft after them (here the value another record's output
+    had after the same key), the forced rows need no verification, and the output is the
+    same tokens as without speculation, valid, in fewer steps, every slot back."""
+    import json
+
+    import jsonschema
+    from transformers import AutoTokenizer
+
+    from arborlm.runtime.speculative import scheduling
+
+    tok = AutoTokenizer.from_pretrained(str(smollm_dir))
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"}},
+              "required": ["name", "city"]}
+    records = [("Alan Turing", "London"), ("Grace Hopper", "London"), ("Ada Lovelace", "London")]
+    prompts = [tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": f"Record: name: {name}; city: {city}\nGive this record as JSON with "
+                                     "the keys name and city, copying the values."}],
+        add_generation_prompt=True, tokenize=False)) for name, city in records]
+    chains = []  # (tokens run before the draft, draft length) of every chain of a verify step
+    build = scheduling.build_verify_batch
+
+    def recording(reqs, drafts, *args):
+        chains.extend((scheduling.pending_len(r), len(d)) for r, d in zip(reqs, drafts))
+        return build(reqs, drafts, *args)
+
+    monkeypatch.setattr(scheduling, "build_verify_batch", recording)
+
+    def reqs():  # one after another: the later records draft from the earlier outputs
+        return [make_req(f"r{i}", ids, max_new_tokens=40, json_schema=json.dumps(schema)) for i, ids in enumerate(prompts)]
+
+    def run(sched):
+        total = RunResultLike()
+        for req in reqs():
+            one = run_to_completion(sched, [req])
+            total.tokens.update(one.tokens)
+            total.finish.update(one.finish)
+            total.steps += one.steps
+        return total
+
+    sched = create_scheduler(smollm_dir, tok, quantization="none", max_total_tokens=1024,
+                             speculative_algorithm="NGRAM", speculative_adaptive=False)
+    speculator, sched.speculator = sched.speculator, None
+    off = run(sched)
+    sched.speculator = speculator
+    assert sched.flush_cache()
+    chains.clear()
+    on = run(sched)
+    assert on.tokens == off.tokens
+    for rid, ids in on.tokens.items():
+        assert on.finish[rid]["type"] == "stop"
+        jsonschema.validate(json.loads(tok.decode(ids, skip_special_tokens=True)), schema)
+    jumps = [(pending, n) for pending, n in chains if pending > 1]
+    assert jumps, "no forced tokens ran in a verify step"
+    assert any(n > 0 for _, n in jumps), "no draft followed forced tokens"
+    assert sched.stats["num_jump_forward_steps"] >= len(jumps) > 0
+    assert on.steps < off.steps
+    assert sched.get_info()["spec_num_accepted_tokens"] > 0
+
+
+class RunResultLike:
+    """Tokens, finish reasons and steps of several `run_to_completion` calls together."""
+
+    def __init__(self):
+        self.tokens, self.finish, self.steps = {}, {}, 0

@@ -30,18 +30,19 @@ PROMPT_LENS = (37, 5, 64)
 
 def _prefilled(model, config, dtype, prompt_lens=PROMPT_LENS, seed=0):
     """A harness whose requests have prefilled ragged prompts and taken one token each;
-    returns it and stand-ins for the `Req`s (`output_ids`, `kv_len`, `req_pool_idx`)."""
+    returns it and stand-ins for the `Req`s (`output_ids`, `kv_len`, `seqlen`, `req_pool_idx`)."""
     gen = torch.Generator().manual_seed(seed)
     harness = ModelHarness(model, config, dtype=dtype)
     prompts = [torch.randint(100, 4000, (n,), generator=gen).tolist() for n in prompt_lens]
     rows = [harness.new_req() for _ in prompts]
     last = harness.extend(rows, prompts).next_token_logits.argmax(-1).tolist()
-    reqs = [SimpleNamespace(output_ids=[t], kv_len=harness.seq_lens[r], req_pool_idx=r) for r, t in zip(rows, last)]
+    reqs = [SimpleNamespace(output_ids=[t], kv_len=harness.seq_lens[r], seqlen=harness.seq_lens[r] + 1, req_pool_idx=r)
+            for r, t in zip(rows, last)]
     return harness, reqs
 
 
 def _chains(harness, reqs, drafts) -> ForwardBatch:
-    out_cache_loc = harness.allocator.alloc(verify_num_tokens(drafts))
+    out_cache_loc = harness.allocator.alloc(verify_num_tokens(reqs, drafts))
     return build_verify_batch(reqs, drafts, harness.req_to_token_pool, harness.token_to_kv_pool, out_cache_loc)
 
 
@@ -251,3 +252,13 @@ def test_ngram_over_a_quantized_kv_pool(tiny_llama_dir, tiny_tokenizer, cpu_kern
     on = run_to_completion(sched, reqs())
     assert on.tokens == off.tokens
     assert sched.get_info()["spec_num_accepted_tokens"] > 0
+
+
+def test_draft_rows_skip_the_forced_tokens_of_a_chain():
+    from arborlm.runtime.speculative.verify_batch import draft_rows
+
+    # Chains without forced tokens: every row scores a draft position.
+    assert draft_rows([1, 3, 2], [[], [5, 6], [7]]) is None
+    # A jump's chain of 1 + 3 forced tokens + 2 drafts: its first 3 rows only store K/V.
+    assert draft_rows([3, 6, 1], [[5, 6], [8, 9], []]) == [0, 1, 2, 6, 7, 8, 9]
+    assert draft_rows([4], [[]]) == [3]
