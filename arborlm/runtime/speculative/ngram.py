@@ -20,6 +20,12 @@ Two sources, tried in order for each request of a decode step:
    differently from the prompt (``"Alan`` after a quote against `` Alan`` after a
    space), so no token n-gram recurs although the text does.
 
+   Before the three, a constrained request whose output ends with a JSON key (``"city":``)
+   drafts the value that follows the same label in its prompt (``city: London`` drafts
+   `` "London`` ...; `TextLookup.propose_value`): at a value's start neither the token
+   n-grams nor the text suffix can know it (the suffix is the key's syntax), and the
+   other requests' outputs after the same key hold their own values.
+
 The first two indexes are plain dicts from an n-gram (a tuple of token ids) to where it
 ended, so a lookup costs a few dict probes per request and step; the per-request
 index is extended incrementally as the request's tokens grow.
@@ -28,6 +34,7 @@ index is extended incrementally as the request's tokens grow.
 from __future__ import annotations
 
 import logging
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -138,6 +145,7 @@ class TextLookup:
     min_chars: int = 3
     tail_tokens: int = 3
     chars_per_token: int = 8  # continuation text taken per draft token wanted
+    key_tail_tokens: int = 8  # last tokens decoded to find a JSON key (`propose_value`)
 
     def propose(self, tokenizer, tokens: Sequence[int], num_draft_tokens: int) -> list[int]:
         """Up to ``num_draft_tokens`` tokens of what followed, in the prompt's text, the longest
@@ -170,6 +178,55 @@ class TextLookup:
         if best + len(cont) < len(self.prompt_text):
             draft = draft[:-1]  # the text was cut: its last token may be part of a longer one
         return draft[:num_draft_tokens]
+
+    def propose_value(self, tokenizer, tokens: Sequence[int], num_draft_tokens: int) -> list[int]:
+        """Up to ``num_draft_tokens`` tokens of the value that follows, in the prompt's text, the
+        label of the JSON key ``tokens`` end with ([] when they do not end with a key, or the
+        prompt has no such label).
+
+        A label is the key's text followed by ``:`` or ``=`` (``name: Ada``, ``year = 1815``),
+        matched case-insensitively, the last one in the prompt; the value is drafted after
+        `` "`` (a string) or a space (a number, true, false or null). The grammar cuts
+        whatever the schema does not allow (`scheduling.grammatical_prefix`).
+        """
+        last = list(tokens[-1:])
+        last_text = tokenizer.decode(last, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if not last_text.rstrip().endswith(":") and not (
+                last_text.isspace() and tokenizer.decode(list(tokens[-2:-1])).rstrip().endswith(":")):
+            return []  # the common case, for the price of one or two tokens' decode
+        tail_text = tokenizer.decode(list(tokens[-self.key_tail_tokens :]), skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False)
+        key = _KEY_AT_END.search(tail_text)
+        if key is None:
+            return []
+        labels = re.finditer(rf"(?<![\w]){re.escape(key.group(1))}\s*[:=][ \t]*", self.prompt_text, re.IGNORECASE)
+        label = next(reversed(list(labels)), None)  # the last one: the record nearest the question
+        if label is None:
+            return []
+        budget = self.chars_per_token * num_draft_tokens
+        value = self.prompt_text[label.end() : label.end() + budget]
+        cut = label.end() + len(value) < len(self.prompt_text) and "\n" not in value
+        value = value.split("\n", 1)[0]  # a label's value ends with its line
+        if not value.strip():
+            return []
+        lead = " " if _BARE_VALUE.match(value) else ' "'
+        if last_text.endswith((" ", "\t")):
+            lead = lead[1:]
+        # Tokenized after the last token's text (the key's end): the value's first token as the
+        # model would write it there; none when the two would merge.
+        ids = tokenizer.encode(last_text + lead + value, add_special_tokens=False)
+        if ids[:1] != last:
+            return []
+        draft = ids[1:]
+        if cut:
+            draft = draft[:-1]  # the text was cut: its last token may be part of a longer one
+        return draft[:num_draft_tokens]
+
+
+# A JSON object key at the end of the output text: `"city":` (and whitespace after it).
+_KEY_AT_END = re.compile(r'"([^"\\\n]{1,64})"\s*:\s*$')
+# A JSON scalar that is not a string, at the start of a prompt's value: drafted bare.
+_BARE_VALUE = re.compile(r"(-?\d|true\b|false\b|null\b)")
 
 
 class NgramDrafter:
@@ -215,7 +272,9 @@ class NgramDrafter:
         limit = min(max_len, self.num_draft_tokens)
         if limit <= 0:
             return []
-        draft = index.propose(tokens, limit)
+        draft = self._value_after_key(text, tokens, limit) if text is not None else []
+        if not draft:
+            draft = index.propose(tokens, limit)
         if not draft:
             draft = self.recent.propose(tokens, limit)
         if not draft and text is not None:
@@ -225,6 +284,13 @@ class NgramDrafter:
                 logger.debug("prompt lookup on text failed; no draft this step", exc_info=True)
                 draft = []
         return draft
+
+    def _value_after_key(self, text: TextLookup, tokens: Sequence[int], limit: int) -> list[int]:
+        try:
+            return text.propose_value(self.tokenizer, tokens, limit)
+        except Exception:  # noqa: BLE001 - drafts are optional: never fail a step over one
+            logger.debug("value lookup after a JSON key failed; no draft from it this step", exc_info=True)
+            return []
 
     def on_finished(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
         """Remember a finished request's output for the others."""

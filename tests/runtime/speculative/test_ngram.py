@@ -211,3 +211,47 @@ def test_a_tokenizer_failure_drafts_nothing_instead_of_failing_the_step(tiny_tok
     lookup = NgramDrafter(2, 4, 0, 6, tiny_tokenizer).new_text_lookup(prompt)
     tokens = prompt + tiny_tokenizer.encode('{"name": "Alan', add_special_tokens=False)
     assert drafter.propose(drafter.new_index(), tokens, 6, lookup) == []
+
+
+def _value_draft(tok, output: str, num: int = 6, prompt: str = RECORD_PROMPT) -> str:
+    ids = tok.encode(prompt, add_special_tokens=False)
+    drafter = NgramDrafter(2, 4, 0, num, tok)
+    draft = drafter.propose(drafter.new_index(), ids + tok.encode(output, add_special_tokens=False), num,
+                            drafter.new_text_lookup(ids))
+    assert len(draft) <= num
+    return tok.decode(draft)
+
+
+def test_a_value_after_a_json_key_drafts_from_the_prompts_label(tiny_tokenizer):
+    """At a value's start the draft is what follows the key's label in the prompt: a string
+    after ' "', a number bare; the key may be in any case and the label use '=' too."""
+    tok = tiny_tokenizer
+    assert _value_draft(tok, '{"name":').startswith(' "Alan Turing')
+    assert _value_draft(tok, '{"name": "Alan Turing", "city":').startswith(' "London')
+    assert _value_draft(tok, '{"name": "A", "city": "London", "year":').startswith(" 1912")
+    assert _value_draft(tok, '{"Name":').startswith(' "Alan')
+    assert _value_draft(tok, '{"year":', prompt="Book: title = Emma, year = 1815\nAs JSON.").startswith(" 1815")
+    # Whitespace the output already wrote (its own token) is not drafted again.
+    assert tok.decode(tok.encode('{"year": ', add_special_tokens=False)[-1:]) == " "
+    assert _value_draft(tok, '{"name": "A", "year": ') == "1912"
+    # Where the value's first token would merge with the whitespace token, nothing is drafted.
+    assert _value_draft(tok, '{"name": ') == ""
+
+
+def test_a_value_lookup_without_a_label_or_a_key_falls_through(tiny_tokenizer):
+    """No label for the key in the prompt, or output that does not end with a key: the other
+    sources draft as before (here the text suffix), and a label's value is never invented."""
+    tok = tiny_tokenizer
+    assert not _value_draft(tok, '{"country":').strip().startswith('"')  # no "country:" in the prompt
+    assert _value_draft(tok, '{"name": "Alan').startswith(" Turing")  # the text suffix, as before
+    assert _value_draft(tok, "{", prompt="Record: name:\nGive it as JSON.") == ""
+
+
+def test_a_value_lookup_that_raises_drafts_from_the_other_sources(tiny_tokenizer, monkeypatch):
+    from arborlm.runtime.speculative.ngram import TextLookup
+
+    def failing(*args, **kwargs):
+        raise UnicodeDecodeError("utf-8", b"", 0, 1, "bad")
+
+    monkeypatch.setattr(TextLookup, "propose_value", failing)
+    assert _value_draft(tiny_tokenizer, '{"name": "Alan').startswith(" Turing")

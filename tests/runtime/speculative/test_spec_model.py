@@ -168,14 +168,17 @@ def test_json_extraction_drafts_from_the_prompt_text_on_the_default_model(smollm
                                      "the keys name and city, copying the values."}],
         add_generation_prompt=True, tokenize=False)) for name, city in records]
     drafted = []
-    propose = TextLookup.propose
 
-    def counting(self, tokenizer, tokens, num_draft_tokens):
-        draft = propose(self, tokenizer, tokens, num_draft_tokens)
-        drafted.append(len(draft))
-        return draft
+    def counting(propose):
+        def wrapped(self, tokenizer, tokens, num_draft_tokens):
+            draft = propose(self, tokenizer, tokens, num_draft_tokens)
+            drafted.append(len(draft))
+            return draft
+        return wrapped
 
-    monkeypatch.setattr(TextLookup, "propose", counting)
+    # Both text sources: a value after its key, and the text suffix inside a value.
+    monkeypatch.setattr(TextLookup, "propose", counting(TextLookup.propose))
+    monkeypatch.setattr(TextLookup, "propose_value", counting(TextLookup.propose_value))
 
     def reqs():
         return [make_req(f"r{i}", ids, max_new_tokens=40, json_schema=json.dumps(schema)) for i, ids in enumerate(prompts)]
