@@ -350,6 +350,8 @@ def process_verify_result(scheduler, batch, result) -> list:
     # Tokens before each chain's verified rows: a jumping request's forced tokens (see
     # `build_verify_batch`); read before appending moves `seqlen`.
     skipped = [pending_len(req) - 1 for req in batch.reqs]
+    # A jump step without any draft verifies nothing: it counts in no speculative statistic.
+    drafted = any(batch.draft_tokens)
     invalid = set(result.invalid_rows)
     tokens = split_verify_tokens(result.accept_lens, result.next_token_ids)
     infos = split_verify_tokens(result.accept_lens, result.logprob_infos)
@@ -367,7 +369,8 @@ def process_verify_result(scheduler, batch, result) -> list:
         if j in invalid:
             outputs.append(scheduler.abort_non_finite(req))
             continue
-        scheduler.speculator.on_verified(req, len(draft), len(kept))
+        if drafted:
+            scheduler.speculator.on_verified(req, len(draft), len(kept))
         outputs.append(with_token_logprobs(scheduler.output_processor.make_output(req, kept + forced),
                                            infos[j][: len(kept)]))
         if req.finished:
@@ -375,7 +378,8 @@ def process_verify_result(scheduler, batch, result) -> list:
             kv.release_req(req)
         elif forced:
             scheduler.jump_forward_reqs.append(req)
-    scheduler.speculator.stats.num_verify_steps += 1
+    if drafted:
+        scheduler.speculator.stats.num_verify_steps += 1
     return outputs
 
 

@@ -257,6 +257,21 @@ def test_jump_forward_tokens_run_with_a_draft_after_them_on_the_default_model(sm
     assert on.steps < off.steps
     assert sched.get_info()["spec_num_accepted_tokens"] > 0
 
+    # Drafting off by batch size: the jumps still run as verify chains without drafts, the
+    # output is the same, and no speculative statistic counts them.
+    import dataclasses
+
+    sched.speculator.config = dataclasses.replace(sched.speculator.config, speculative_disable_by_batch_size=1)
+    assert sched.flush_cache()
+    chains.clear()
+    before = sched.get_info()
+    plain = run(sched)
+    assert plain.tokens == off.tokens
+    assert any(pending > 1 for pending, _ in chains) and not any(n for _, n in chains)
+    after = sched.get_info()
+    for key in ("spec_num_verify_steps", "spec_num_draft_tokens", "spec_num_accepted_tokens"):
+        assert after[key] == before[key], key
+
 
 class RunResultLike:
     """Tokens, finish reasons and steps of several `run_to_completion` calls together."""
