@@ -439,8 +439,9 @@ class TokenizerManager:
         if state.grammar is not None:
             # The backend that compiled the request's grammar (under grammar_backend auto, per request).
             meta["grammar_backend"] = resolved_backend(state.grammar.key.backend, self.server_args.grammar.grammar_backend)
-        if out.spec_verify_ct:
-            # SGLang's field: verify steps; accepted draft tokens beside it (docs/speculative.md).
+        if out.spec_verify_ct or self.server_args.speculative.speculative_algorithm is not None:
+            # SGLang's field: verify steps (0 for a request no step verified, as SGLang gives it
+            # whenever speculation is on); accepted draft tokens beside it (docs/speculative.md).
             meta["spec_verify_ct"] = out.spec_verify_ct
             meta["spec_accepted_tokens"] = out.spec_accepted_tokens
         if state.output_token_logprobs or state.input_token_logprobs is not None:

@@ -56,6 +56,11 @@ def test_plain_and_streamed_text_equal_speculation_off(spec_engine, engine):
     info = spec_engine.get_server_info(check_invariants=True)
     assert info["avg_spec_accept_length"] > 1.0
     assert info["speculative_algorithm"] == "NGRAM"
+    # A request no step verified still reports the counts (0), as SGLang does with speculation on;
+    # without speculation they are absent.
+    one = spec_engine.generate(PROMPTS[0], {"temperature": 0, "max_new_tokens": 1})["meta_info"]
+    assert one["spec_verify_ct"] == 0 and one["spec_accepted_tokens"] == 0
+    assert "spec_verify_ct" not in engine.generate(PROMPTS[0], {"temperature": 0, "max_new_tokens": 1})["meta_info"]
 
 
 def test_json_schema_outputs_validate_and_equal_speculation_off(spec_engine, engine):
