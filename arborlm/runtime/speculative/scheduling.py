@@ -89,6 +89,7 @@ class Speculator:
 
     def __post_init__(self):
         cfg = self.config
+        self._structural: list[int] | None = None
         self.drafter = NgramDrafter(cfg.speculative_ngram_min_match_window_size,
                                     cfg.speculative_ngram_max_match_window_size,
                                     cfg.speculative_ngram_capacity, cfg.speculative_num_draft_tokens, self.tokenizer)
@@ -153,7 +154,23 @@ class Speculator:
         draft = self.drafter.propose(state.index, req.fill_ids, room, state.text)
         if req.grammar is not None:
             draft = grammatical_prefix(req.grammar, draft)
+            if not draft and self.tokenizer is not None:
+                draft = structural_draft(req.grammar, self._structural_ids())
         return draft
+
+    def _structural_ids(self) -> list[int]:
+        """The single-token ids of `STRUCTURAL_TEXTS` in this tokenizer (computed once)."""
+        if self._structural is None:
+            ids = []
+            for text in STRUCTURAL_TEXTS:
+                try:
+                    encoded = self.tokenizer.encode(text, add_special_tokens=False)
+                except Exception:  # noqa: BLE001 - drafts are optional
+                    encoded = []
+                if len(encoded) == 1:
+                    ids.append(encoded[0])
+            self._structural = ids
+        return self._structural
 
     def draft_room(self, req: Req, free_slots: int) -> int:
         """The longest draft ``req`` may take this step (<= 0: none).
@@ -224,6 +241,32 @@ def grammatical_prefix(grammar, draft: list[int]) -> list[int]:
         accepted -= 1
     grammar.rollback(accepted)
     return draft[:accepted]
+
+
+# JSON's structural tokens, probed when nothing else drafts for a constrained request.
+STRUCTURAL_TEXTS = ("}", "]", ",", '"')
+
+
+def structural_draft(grammar, candidates: list[int]) -> list[int]:
+    """A one-token draft for a constrained request that nothing else drafted: the one
+    structural token (``candidates``, e.g. the ids of ``}``, ``]``, ``,`` and ``"``) its
+    grammar accepts now, when exactly one does and it does not end the grammar; else [].
+
+    What it drafts is where JSON's syntax has one way on but whitespace keeps jump-forward
+    from forcing it: ``}`` after an object's last value, ``,`` after a number when keys
+    remain, ``"`` opening the first key after ``{``. Inside a string every candidate is
+    content, so nothing is drafted there. The matcher is left as it was.
+    """
+    accepted = []
+    for token_id in candidates:
+        if grammar.accept_token(token_id):
+            ends = grammar.is_terminated()
+            grammar.rollback(1)
+            if not ends:
+                accepted.append(token_id)
+            if len(accepted) > 1:
+                return []
+    return accepted
 
 
 def clear_cache_pool(speculator: Speculator | None) -> None:

@@ -255,3 +255,60 @@ def test_a_value_lookup_that_raises_drafts_from_the_other_sources(tiny_tokenizer
 
     monkeypatch.setattr(TextLookup, "propose_value", failing)
     assert _value_draft(tiny_tokenizer, '{"name": "Alan').startswith(" Turing")
+
+
+class SetMatcher:
+    """A matcher that accepts the tokens of ``allowed`` now; ``ending`` ones end the grammar."""
+
+    def __init__(self, allowed: set[int], ending: frozenset[int] = frozenset()):
+        self.allowed, self.ending, self.history = allowed, ending, []
+
+    def accept_token(self, t: int) -> bool:
+        if self.history or t not in self.allowed:
+            return False
+        self.history.append(t)
+        return True
+
+    def rollback(self, n: int) -> None:
+        del self.history[len(self.history) - n :]
+
+    def is_terminated(self) -> bool:
+        return bool(self.history) and self.history[-1] in self.ending
+
+
+@pytest.mark.parametrize("allowed, ending, want", [
+    ({1, 50, 51}, frozenset(), [1]),  # only '}' of the candidates (and whitespace 50, 51)
+    ({1, 3}, frozenset(), []),  # '}' or ',': the model decides
+    ({1, 2, 3, 4, 50}, frozenset(), []),  # inside a string: every candidate is content
+    ({4}, frozenset({4}), []),  # a token that ends the grammar is left to the target
+    ({4, 2}, frozenset({4}), [2]),
+    (set(), frozenset(), []),
+])
+def test_structural_draft_is_the_one_structural_token_the_grammar_takes(allowed, ending, want):
+    from arborlm.runtime.speculative.scheduling import structural_draft
+
+    matcher = SetMatcher(allowed, ending)
+    assert structural_draft(matcher, [1, 2, 3, 4]) == want
+    assert matcher.history == []
+
+
+def test_a_constrained_request_without_other_drafts_gets_the_structural_one(tiny_tokenizer):
+    """Speculator._draft: nothing from the n-grams or the text, a grammar that takes only '}'
+    of JSON's structural tokens: the draft is '}' (a request without a grammar gets none)."""
+    from types import SimpleNamespace
+
+    from arborlm.runtime.config import SpeculativeConfig
+    from arborlm.runtime.speculative.scheduling import Speculator
+
+    spec = Speculator(SpeculativeConfig(speculative_algorithm="NGRAM"), 1024, tokenizer=tiny_tokenizer)
+    brace = tiny_tokenizer.encode("}", add_special_tokens=False)
+    assert len(brace) == 1 and brace[0] in spec._structural_ids()
+    prompt = tiny_tokenizer.encode("Say nothing.", add_special_tokens=False)
+
+    def req(grammar):
+        return SimpleNamespace(spec_state=None, grammar=grammar, origin_input_ids=prompt, fill_ids=prompt + [7],
+                               to_abort=False, remaining_new_tokens=10, seqlen=len(prompt) + 1)
+
+    constrained = req(SetMatcher({brace[0]}))
+    assert spec._draft(constrained, 8) == brace
+    assert spec._draft(req(None), 8) == []
