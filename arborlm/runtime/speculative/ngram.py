@@ -181,8 +181,8 @@ class TextLookup:
 
     def propose_value(self, tokenizer, tokens: Sequence[int], num_draft_tokens: int) -> list[int]:
         """Up to ``num_draft_tokens`` tokens of the value that follows, in the prompt's text, the
-        label of the JSON key ``tokens`` end with ([] when they do not end with a key, or the
-        prompt has no such label).
+        label of the JSON key ``tokens`` end with, or of the key whose string value they have just
+        opened ([] otherwise, or when the prompt has no such label).
 
         A label is the key's text followed by ``:`` or ``=`` (``name: Ada``, ``year = 1815``),
         matched case-insensitively, the last one in the prompt; the value is drafted after
@@ -191,7 +191,7 @@ class TextLookup:
         """
         last = list(tokens[-1:])
         last_text = tokenizer.decode(last, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        if not last_text.rstrip().endswith(":") and not (
+        if not last_text.rstrip().endswith((":", '"')) and not (
                 last_text.isspace() and tokenizer.decode(list(tokens[-2:-1])).rstrip().endswith(":")):
             return []  # the common case, for the price of one or two tokens' decode
         tail_text = tokenizer.decode(list(tokens[-self.key_tail_tokens :]), skip_special_tokens=False,
@@ -209,9 +209,12 @@ class TextLookup:
         value = value.split("\n", 1)[0]  # a label's value ends with its line
         if not value.strip():
             return []
-        lead = " " if _BARE_VALUE.match(value) else ' "'
-        if last_text.endswith((" ", "\t")):
-            lead = lead[1:]
+        if key.group(2):  # the output has opened the string already
+            lead = ""
+        else:
+            lead = " " if _BARE_VALUE.match(value) else ' "'
+            if last_text.endswith((" ", "\t")):
+                lead = lead[1:]
         # Tokenized after the last token's text (the key's end): the value's first token as the
         # model would write it there; none when the two would merge.
         ids = tokenizer.encode(last_text + lead + value, add_special_tokens=False)
@@ -223,8 +226,9 @@ class TextLookup:
         return draft[:num_draft_tokens]
 
 
-# A JSON object key at the end of the output text: `"city":` (and whitespace after it).
-_KEY_AT_END = re.compile(r'"([^"\\\n]{1,64})"\s*:\s*$')
+# A JSON object key at the end of the output text: `"city":` (and whitespace after it), or
+# `"city": "` (its string value opened: group 2).
+_KEY_AT_END = re.compile(r'"([^"\\\n]{1,64})"\s*:\s*("?)$')
 # A JSON scalar that is not a string, at the start of a prompt's value: drafted bare.
 _BARE_VALUE = re.compile(r"(-?\d|true\b|false\b|null\b)")
 

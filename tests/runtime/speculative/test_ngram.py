@@ -312,3 +312,12 @@ def test_a_constrained_request_without_other_drafts_gets_the_structural_one(tiny
     constrained = req(SetMatcher({brace[0]}))
     assert spec._draft(constrained, 8) == brace
     assert spec._draft(req(None), 8) == []
+
+
+def test_a_string_value_the_output_opened_drafts_from_its_label(tiny_tokenizer):
+    """`"city": "` (the quote written by the model, not drafted) drafts the label's value
+    without a second quote; a closed value drafts nothing from its label."""
+    tok = tiny_tokenizer
+    assert _value_draft(tok, '{"name": "').startswith("Alan Turing")
+    assert _value_draft(tok, '{"name": "Alan Turing", "city": "').startswith("London")
+    assert not _value_draft(tok, '{"name": "Alan Turing"').startswith(("Alan", " \"Alan"))
