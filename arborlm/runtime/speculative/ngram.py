@@ -20,8 +20,8 @@ Two sources, tried in order for each request of a decode step:
    differently from the prompt (``"Alan`` after a quote against `` Alan`` after a
    space), so no token n-gram recurs although the text does.
 
-   Before the three, a constrained request whose output ends with a JSON key (``"city":``)
-   drafts the value that follows the same label in its prompt (``city: London`` drafts
+   Before the three, a constrained request whose output ends with a JSON key (``"city":``,
+   or ``"city": "`` with the value opened) drafts the value that follows the same label in its prompt (``city: London`` drafts
    `` "London`` ...; `TextLookup.propose_value`): at a value's start neither the token
    n-grams nor the text suffix can know it (the suffix is the key's syntax), and the
    other requests' outputs after the same key hold their own values.
