@@ -7,6 +7,7 @@ import pytest
 from arborlm.runtime.speculative.ngram import NgramDrafter, PromptLookupIndex, RecentOutputIndex
 from arborlm.runtime.speculative.scheduling import grammatical_prefix
 from arborlm.runtime.speculative.verify import accept_greedy
+from tests.runtime.speculative.fake_matchers import HistoryMatcher
 
 
 @pytest.mark.parametrize("tokens, k, want", [
@@ -257,23 +258,18 @@ def test_a_value_lookup_that_raises_drafts_from_the_other_sources(tiny_tokenizer
     assert _value_draft(tiny_tokenizer, '{"name": "Alan').startswith(" Turing")
 
 
-class SetMatcher:
-    """A matcher that accepts the tokens of ``allowed`` now; ``ending`` ones end the grammar."""
+class SetMatcher(HistoryMatcher):
+    """A matcher that accepts one of the tokens of ``allowed`` now; ``ending`` ones end the grammar."""
 
     def __init__(self, allowed: set[int], ending: frozenset[int] = frozenset()):
-        self.allowed, self.ending, self.history = allowed, ending, []
+        super().__init__()
+        self.allowed, self.ending = allowed, ending
 
-    def accept_token(self, t: int) -> bool:
-        if self.history or t not in self.allowed:
-            return False
-        self.history.append(t)
-        return True
+    def allows(self, t: int) -> bool:
+        return not self.history and t in self.allowed
 
-    def rollback(self, n: int) -> None:
-        del self.history[len(self.history) - n :]
-
-    def is_terminated(self) -> bool:
-        return bool(self.history) and self.history[-1] in self.ending
+    def ends(self, t: int) -> bool:
+        return t in self.ending
 
 
 @pytest.mark.parametrize("allowed, ending, want", [

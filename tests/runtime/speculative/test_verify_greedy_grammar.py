@@ -13,32 +13,28 @@ import torch
 from arborlm.runtime.schedule_batch import Req
 from arborlm.runtime.speculative.verify import DraftVerifier
 from arborlm.sampling_params import SamplingParams
+from tests.runtime.speculative.fake_matchers import HistoryMatcher
 
 VOCAB = 64
 
 
-class StateMatcher:
-    """A grammar over states 0..: state s allows the tokens of ``allowed(s)``, and token t moves
-    to state s + 1; token 2 ends it. Records every accepted token (its history)."""
+class StateMatcher(HistoryMatcher):
+    """A grammar over states 0..: state s allows the tokens of ``allowed()`` (random, from its
+    seed), and each accepted token moves to state s + 1; token 2 ends it."""
 
     def __init__(self, seed: int):
-        self.seed, self.history, self.masks_filled = seed, [], 0
+        super().__init__()
+        self.seed, self.masks_filled = seed, 0
 
     def allowed(self) -> set[int]:
         rng = random.Random(self.seed * 1000 + len(self.history))
         return set(rng.sample(range(3, VOCAB), 12)) | ({2} if len(self.history) >= 3 else set())
 
-    def accept_token(self, t: int) -> bool:
-        if self.is_terminated() or t not in self.allowed():
-            return False
-        self.history.append(t)
-        return True
+    def allows(self, t: int) -> bool:
+        return t in self.allowed()
 
-    def rollback(self, n: int) -> None:
-        del self.history[len(self.history) - n :]
-
-    def is_terminated(self) -> bool:
-        return bool(self.history) and self.history[-1] == 2
+    def ends(self, t: int) -> bool:
+        return t == 2
 
     def fill_vocab_mask(self, mask: torch.Tensor, row: int) -> None:
         self.masks_filled += 1
