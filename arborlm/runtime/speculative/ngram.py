@@ -270,16 +270,18 @@ class NgramDrafter:
         return TextLookup(text)
 
     def propose(self, index: PromptLookupIndex, tokens: Sequence[int], max_len: int,
-                text: TextLookup | None = None) -> list[int]:
+                text: TextLookup | None = None, cross_request: bool = True) -> list[int]:
         """At most ``min(max_len, num_draft_tokens)`` draft tokens to follow ``tokens``: the
-        first source of the module docstring that has some (``text``: the request's source 3)."""
+        first source of the module docstring that has some (``text``: the request's source 3;
+        ``cross_request`` False leaves out the other requests' outputs, whose drafts depend on
+        what finished before)."""
         limit = min(max_len, self.num_draft_tokens)
         if limit <= 0:
             return []
         draft = self._value_after_key(text, tokens, limit) if text is not None else []
         if not draft:
             draft = index.propose(tokens, limit)
-        if not draft:
+        if not draft and cross_request:
             draft = self.recent.propose(tokens, limit)
         if not draft and text is not None:
             try:

@@ -151,7 +151,11 @@ class Speculator:
         if room <= 0:
             return []
         state = req.spec_state
-        draft = self.drafter.propose(state.index, req.fill_ids, room, state.text)
+        # A sampled request's draft decides which of its seed's draws it makes: it drafts from
+        # its own tokens and prompt only, so the same seed gives the same output whatever ran
+        # before or beside it (the other requests' outputs would make it depend on them).
+        draft = self.drafter.propose(state.index, req.fill_ids, room, state.text,
+                                     cross_request=req.sampling_params.is_greedy)
         if req.grammar is not None:
             draft = grammatical_prefix(req.grammar, draft)
             if not draft and self.tokenizer is not None:

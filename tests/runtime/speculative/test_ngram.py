@@ -303,7 +303,8 @@ def test_a_constrained_request_without_other_drafts_gets_the_structural_one(tiny
 
     def req(grammar):
         return SimpleNamespace(spec_state=None, grammar=grammar, origin_input_ids=prompt, fill_ids=prompt + [7],
-                               to_abort=False, remaining_new_tokens=10, seqlen=len(prompt) + 1)
+                               to_abort=False, remaining_new_tokens=10, seqlen=len(prompt) + 1,
+                               sampling_params=SimpleNamespace(is_greedy=True))
 
     constrained = req(SetMatcher({brace[0]}))
     assert spec._draft(constrained, 8) == brace

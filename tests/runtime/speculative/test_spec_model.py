@@ -124,6 +124,29 @@ def test_sampled_requests_are_seed_deterministic(make_tiny):
         assert alone.tokens[req.rid] == together.tokens[req.rid]
 
 
+def test_sampled_requests_are_seed_deterministic_with_the_cross_request_index(make_tiny):
+    """With the cross-request index on (the default) a sampled request drafts from its own tokens
+    only: the same seed gives the same tokens before and after other requests filled the index
+    (greedy and sampled answers to the same prompts, which it would draft from), alone and
+    beside others; greedy requests still draft from the index."""
+    prompts = copy_prompts(2, seed=3)
+
+    def sampled(prefix):
+        return [make_req(f"{prefix}{i}", p, seed=100 + i, temperature=0.5, top_k=4, max_new_tokens=20, ignore_eos=True)
+                for i, p in enumerate(prompts)]
+
+    sched = make_tiny(speculative_algorithm="NGRAM")
+    first = {rid[1:]: t for rid, t in run_to_completion(sched, [sampled("a")[0]]).tokens.items()}
+    warm = [make_req(f"g{i}", p, max_new_tokens=20, ignore_eos=True) for i, p in enumerate(prompts)]
+    run_to_completion(sched, warm + sampled("b"))
+    assert len(sched.speculator.drafter.recent) > 0  # the other requests' outputs are indexed
+    together = {rid[1:]: t for rid, t in run_to_completion(sched, sampled("c")).tokens.items()}
+    alone = {rid[1:]: t for req in sampled("d") for rid, t in run_to_completion(sched, [req]).tokens.items()}
+    assert first["0"] == together["0"] == alone["0"]
+    assert together == alone
+    assert sched.get_info()["spec_num_verify_steps"] > 0
+
+
 def test_greedy_identity_on_the_default_model(smollm_dir):
     """SmolLM2 asked to repeat a paragraph: the same text, and most of it from accepted drafts."""
     from transformers import AutoTokenizer
