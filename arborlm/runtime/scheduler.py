@@ -280,8 +280,8 @@ class Scheduler:
         running request decodes one token."""
         if self.jump_forward_reqs:
             self.prepare_decode_memory()  # may retract jumping requests too
-        if self.jump_forward_reqs and self._jumps_take_drafts():
-            return self._jump_verify_batch()
+        if self.jump_forward_reqs and spec.jumps_take_drafts(self):
+            return spec.jump_verify_batch(self)
         if self.jump_forward_reqs:
             # One extend step runs the forced tokens and, as one-token extends, every running
             # request's decode token: jumping never costs the others a forward pass. New
@@ -304,35 +304,6 @@ class Scheduler:
         if self.speculator is not None:
             # Drafts take free slots only: evicting cached prefixes for a guess is a bad trade.
             batch.draft_tokens = self.speculator.propose_drafts(batch.reqs, self.allocator.available_size() - len(batch.reqs))
-        return batch
-
-    def _jumps_take_drafts(self) -> bool:
-        """Whether this step's jumps run as a verify step with drafts after the forced tokens:
-        speculation that drafts without a model of its own (NGRAM; a draft model would first
-        have to run the forced tokens itself), and no prompt waiting to be admitted beside them
-        (admission rides on the jump's extend step instead)."""
-        return (self.speculator is not None and self.speculator.drafts_after_jumps
-                and not self.waiting_queue and self.chunked_req is None)
-
-    def _jump_verify_batch(self) -> ScheduleBatch:
-        """The jumping requests' forced tokens as drafts that need no verification.
-
-        One verify step runs, per request, every token it has without KV yet (a jumping
-        request's last token and the tokens its grammar forced after it; a running
-        request's last token) and then its draft, proposed after them. Every row after
-        the first ``pending - 1`` of a chain is verified as in any verify step
-        (`speculative.scheduling.build_verify_batch`), so a value after a forced key can
-        be drafted and accepted in the step that runs the key, where an extend step of
-        the forced tokens alone would emit one token.
-        """
-        jumping, self.jump_forward_reqs = self.jump_forward_reqs, []
-        self.running.extend(jumping)
-        self.stats["num_jump_forward_steps"] += 1
-        reqs = list(self.running)
-        pending = step_tokens(reqs)
-        batch = ScheduleBatch(reqs, ForwardMode.DECODE)
-        drafts = self.speculator.propose_drafts(reqs, self.allocator.available_size() - pending, base_rows=pending)
-        batch.draft_tokens = drafts if drafts is not None else [[] for _ in reqs]
         return batch
 
     def get_new_batch_prefill(self, alongside: list[Req] | None = None) -> ScheduleBatch | None:

@@ -26,8 +26,6 @@ def _weight_and_rows(shape: tuple[int, int], rows: int) -> tuple[torch.Tensor, t
 
 @pytest.mark.parametrize("emulated", [True, False])
 def test_one_row_equals_the_same_row_in_a_batch_where_bf16_is_emulated(emulated):
-    if not emulated and not cpu_linear.cpu_has_native_bf16():
-        pytest.skip("the CPU emulates bf16: a single row always takes the padded path here")
     for shape in SHAPES:
         w, x = _weight_and_rows(shape, 5)
         packed = cpu_linear.pack_weight(w)

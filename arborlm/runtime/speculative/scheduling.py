@@ -26,7 +26,8 @@ import torch
 
 from arborlm.runtime.config import SpeculativeConfig
 from arborlm.runtime.forward_batch_info import ForwardBatch, ForwardMode
-from arborlm.runtime.schedule_batch import Req
+from arborlm.runtime.kv_manager import step_tokens
+from arborlm.runtime.schedule_batch import Req, ScheduleBatch
 from arborlm.runtime.speculative.adaptive import AcceptanceEstimate, AdaptivePolicy
 from arborlm.runtime.speculative.ngram import NgramDrafter, PromptLookupIndex, TextLookup
 
@@ -94,7 +95,7 @@ class Speculator:
                                     cfg.speculative_ngram_max_match_window_size,
                                     cfg.speculative_ngram_capacity, cfg.speculative_num_draft_tokens, self.tokenizer)
 
-    # Drafts follow a jump's forced tokens in the same verify step (`Scheduler._jump_verify_batch`).
+    # Drafts follow a jump's forced tokens in the same verify step (`jump_verify_batch`).
     drafts_after_jumps = True
 
     def propose_drafts(self, reqs: list[Req], free_slots: int, base_rows: int | None = None) -> list[list[int]] | None:
@@ -293,7 +294,40 @@ def pending_len(req: Req) -> int:
 
 def verify_num_tokens(reqs: list[Req], drafts: list[list[int]]) -> int:
     """KV slots a verify step takes: one chain of `pending_len` + len(draft) tokens per request."""
-    return sum(pending_len(r) + len(d) for r, d in zip(reqs, drafts))
+    return step_tokens(reqs) + sum(len(d) for d in drafts)
+
+
+def jumps_take_drafts(scheduler) -> bool:
+    """Whether the scheduler's jumps run as a verify step with drafts after the forced tokens:
+    speculation that drafts without a model of its own (NGRAM; a draft model would first have
+    to run the forced tokens itself), and no prompt waiting to be admitted beside them
+    (admission rides on the jump's extend step instead)."""
+    speculator = scheduler.speculator
+    return (speculator is not None and speculator.drafts_after_jumps
+            and not scheduler.waiting_queue and scheduler.chunked_req is None)
+
+
+def jump_verify_batch(scheduler) -> ScheduleBatch:
+    """The jumping requests' forced tokens as drafts that need no verification.
+
+    One verify step runs, per request, every token it has without KV yet (a jumping
+    request's last token and the tokens its grammar forced after it; a running
+    request's last token) and then its draft, proposed after them. Every row after
+    the first ``pending_len - 1`` of a chain is verified as in any verify step
+    (`build_verify_batch`), so a value after a forced key can be drafted and accepted
+    in the step that runs the key, where an extend step of the forced tokens alone
+    would emit one token. The jumping requests join the running set.
+    """
+    jumping, scheduler.jump_forward_reqs = scheduler.jump_forward_reqs, []
+    scheduler.running.extend(jumping)
+    scheduler.stats["num_jump_forward_steps"] += 1
+    reqs = list(scheduler.running)
+    pending = step_tokens(reqs)
+    batch = ScheduleBatch(reqs, ForwardMode.DECODE)
+    drafts = scheduler.speculator.propose_drafts(reqs, scheduler.allocator.available_size() - pending,
+                                                 base_rows=pending)
+    batch.draft_tokens = drafts if drafts is not None else [[] for _ in reqs]
+    return batch
 
 
 def build_verify_batch(reqs: list[Req], drafts: list[list[int]], req_to_token_pool, token_to_kv_pool,

@@ -36,7 +36,7 @@ class DraftModelSpeculator(Speculator):
     """
 
     # The draft model would first have to run a jump's forced tokens in its own KV: jumps
-    # keep their extend step (`Scheduler._jumps_take_drafts`).
+    # keep their extend step (`scheduling.jumps_take_drafts`).
     drafts_after_jumps = False
 
     draft_worker: DraftWorker | None = None

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import abc
 
-class HistoryMatcher:
+
+class HistoryMatcher(abc.ABC):
     """A matcher that takes token t when `allows(t)` says so and ends after a token `ends(t)`
     names; keeps the tokens it accepted (its history), so tests can check it ends as it began."""
 
     def __init__(self):
         self.history: list[int] = []
 
+    @abc.abstractmethod
     def allows(self, t: int) -> bool:
-        raise NotImplementedError
+        """Whether the matcher takes ``t`` in its current state."""
 
     def ends(self, t: int) -> bool:
         return False
