@@ -278,24 +278,21 @@ class NgramDrafter:
         limit = min(max_len, self.num_draft_tokens)
         if limit <= 0:
             return []
-        draft = self._value_after_key(text, tokens, limit) if text is not None else []
+        draft = self._from_text(text.propose_value, tokens, limit) if text is not None else []
         if not draft:
             draft = index.propose(tokens, limit)
         if not draft and cross_request:
             draft = self.recent.propose(tokens, limit)
         if not draft and text is not None:
-            try:
-                draft = text.propose(self.tokenizer, tokens, limit)
-            except Exception:  # noqa: BLE001 - drafts are optional: never fail a step over one
-                logger.debug("prompt lookup on text failed; no draft this step", exc_info=True)
-                draft = []
+            draft = self._from_text(text.propose, tokens, limit)
         return draft
 
-    def _value_after_key(self, text: TextLookup, tokens: Sequence[int], limit: int) -> list[int]:
+    def _from_text(self, propose, tokens: Sequence[int], limit: int) -> list[int]:
+        """A `TextLookup` source's draft; [] when the tokenizer raises on these tokens."""
         try:
-            return text.propose_value(self.tokenizer, tokens, limit)
+            return propose(self.tokenizer, tokens, limit)
         except Exception:  # noqa: BLE001 - drafts are optional: never fail a step over one
-            logger.debug("value lookup after a JSON key failed; no draft from it this step", exc_info=True)
+            logger.debug("a lookup on the prompt's text failed; no draft from it this step", exc_info=True)
             return []
 
     def on_finished(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
