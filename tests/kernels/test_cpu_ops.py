@@ -525,6 +525,34 @@ def test_decode_attention_extend_rows_equal_each_row_alone(ops, dtype):
         torch.testing.assert_close(rows[i:i + 1].float(), expected, **tol)
 
 
+@pytest.mark.parametrize("sliding_window", [None, 300])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_attention_chains_equal_each_row_alone(ops, dtype, sliding_window):
+    """Verify chains (rows of one request at lengths L, L+1, ...) run as one work item per
+    chunk of keys; each row is still the bits of that row alone. The batch mixes a chain
+    whose rows cross a chunk-count boundary (2 * CHUNK - 3 .. 2 * CHUNK + 3: one chunk,
+    then two), a lone row, a 20-row chain of another request (cut into work items of at
+    most 16 rows), a row of the first request whose length breaks the chain, and a chain
+    across the sliding window's edge."""
+    context = 3 * CHUNK
+    gen = torch.Generator().manual_seed(31)
+    k_buffer = randn(4 * context, 3, 64, dtype=dtype, seed=32)
+    v_buffer = randn(4 * context, 3, 64, dtype=dtype, seed=33)
+    req_to_token = torch.zeros(4, context + 8, dtype=torch.int32)
+    for r in range(4):
+        req_to_token[r] = torch.randperm(4 * context, generator=gen)[:context + 8].to(torch.int32)
+    rows = ([(2, n) for n in range(2 * CHUNK - 3, 2 * CHUNK + 4)] + [(0, 40)] + [(1, n) for n in range(100, 120)]
+            + [(2, 17)] + [(3, n) for n in range(298, 304)])
+    rpi = torch.tensor([r for r, _ in rows])
+    lens = torch.tensor([n for _, n in rows])
+    q = randn(len(rows), 9, 64, dtype=dtype, seed=34, scale=4.0)
+    batched = ops.decode_attention(q, k_buffer, v_buffer, req_to_token, rpi, lens, 0.125, sliding_window, 0.0)
+    for i in range(len(rows)):
+        alone = ops.decode_attention(q[i:i + 1], k_buffer, v_buffer, req_to_token, rpi[i:i + 1], lens[i:i + 1],
+                                     0.125, sliding_window, 0.0)
+        torch.testing.assert_close(batched[i], alone[0], atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_attention_rows_of_one_request(ops, dtype):
     """Speculative verify's layout: several rows of one request at increasing lengths

@@ -912,11 +912,30 @@ void merge_chunks(const float* parts, const float* lses, int64_t n, int64_t q_he
   }
 }
 
-// One (request, KV head, chunk) item of `decode_attention`; chunk -1: all of the
-// request's chunks in turn, merged by the same item.
+// One item of `decode_attention`: chunk `chunk` of KV head `head` for rows
+// [b, b + rows) (one request's row, or a speculative chain's rows: see
+// `chain_rows`); chunk -1: all of one row's chunks in turn, merged by the same item.
 struct DecodeItem {
-  int64_t b, head, chunk;
+  int64_t b, rows, head, chunk;
 };
+
+// Rows from b on that form one speculative verify chain: the same request row, each
+// row one key longer than the last (its own draft token stored just before). One
+// item then runs the chain's rows one after another over the same chunk of keys,
+// which stay in this core's cache, instead of each row fetching the request's K/V
+// again from a shared cache or memory. Every row still runs its own `decode_range`
+// over its own chunks, so its output is the bits of a lone decode row. Chains are cut
+// at kMaxChainRows: a prefill run as decode rows (one request at lengths 1..n) would
+// otherwise be one chain of a few items, too few to keep every thread busy.
+constexpr int64_t kMaxChainRows = 16;
+
+inline int64_t chain_rows(const int64_t* req_pool_indices, const int64_t* seq_lens, int64_t b, int64_t batch) {
+  int64_t e = b + 1;
+  while (e < batch && e - b < kMaxChainRows && req_pool_indices[e] == req_pool_indices[b] &&
+         seq_lens[e] == seq_lens[e - 1] + 1)
+    ++e;
+  return e - b;
+}
 
 // Split items keep every chunk's part in one buffer; past this many floats of parts
 // (an EXTEND step's thousands of rows, each a request of its own length) each (row, KV
@@ -954,14 +973,18 @@ void decode_attention(const T* q, int64_t q_stride, const E* k_buffer, const E* 
   const bool split = part_rows * q_heads * head_dim <= kMaxSplitParts;
   std::vector<DecodeItem> items;
   items.reserve(batch * kv_heads);
-  for (int64_t b = 0; b < batch; ++b)
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      if (!split && chunks[b] > 1) {
-        items.push_back({b, h, -1});
-        continue;
-      }
-      for (int64_t c = 0; c < chunks[b]; ++c) items.push_back({b, h, c});
+  for (int64_t b = 0; b < batch;) {
+    if (!split) {  // an EXTEND step's many rows: one row per item, its chunks in turn
+      for (int64_t h = 0; h < kv_heads; ++h) items.push_back({b, 1, h, chunks[b] > 1 ? -1 : 0});
+      ++b;
+      continue;
     }
+    const int64_t n = chain_rows(req_pool_indices, seq_lens, b, batch);
+    const int64_t most = *std::max_element(chunks.begin() + b, chunks.begin() + b + n);
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t c = 0; c < most; ++c) items.push_back({b, n, h, c});
+    b += n;
+  }
   std::vector<float> parts(split ? part_rows * q_heads * head_dim : 0), lses(split ? part_rows * q_heads : 0);
   const int64_t num_items = static_cast<int64_t>(items.size());
 #pragma omp parallel if (work >= kParallelWork)
@@ -971,30 +994,35 @@ void decode_attention(const T* q, int64_t q_stride, const E* k_buffer, const E* 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_items; ++i) {
       const DecodeItem it = items[i];
-      const int32_t* slots = req_to_token + req_pool_indices[it.b] * req_to_token_stride + start[it.b];
-      const T* qb = q + it.b * q_stride;
-      if (chunks[it.b] == 1) {
-        decode_range(qb, k_buffer, v_buffer, slots, len[it.b], kv_heads, it.head, group, head_dim, scale, logit_cap,
-                     out + it.b * out_stride, static_cast<float*>(nullptr), scratch, k_scale, v_scale);
-        continue;
-      }
-      if (it.chunk < 0) {
-        const int64_t n = chunks[it.b];
-        own.parts.resize(n * q_heads * head_dim);
-        own.lses.resize(n * q_heads);
-        for (int64_t c = 0; c < n; ++c) {
-          const auto [lo, hi] = chunk_range(len[it.b], n, c);
-          decode_range(qb, k_buffer, v_buffer, slots + lo, hi - lo, kv_heads, it.head, group, head_dim, scale,
-                       logit_cap, own.parts.data() + c * q_heads * head_dim, own.lses.data() + c * q_heads, scratch,
-                       k_scale, v_scale);
+      for (int64_t b = it.b; b < it.b + it.rows; ++b) {
+        const int32_t* slots = req_to_token + req_pool_indices[b] * req_to_token_stride + start[b];
+        const T* qb = q + b * q_stride;
+        if (chunks[b] == 1) {
+          if (it.chunk <= 0)
+            decode_range(qb, k_buffer, v_buffer, slots, len[b], kv_heads, it.head, group, head_dim, scale, logit_cap,
+                         out + b * out_stride, static_cast<float*>(nullptr), scratch, k_scale, v_scale);
+          continue;
         }
-        merge_chunks(own.parts.data(), own.lses.data(), n, q_heads, it.head, group, head_dim, out + it.b * out_stride);
-        continue;
+        if (it.chunk < 0) {
+          const int64_t n = chunks[b];
+          own.parts.resize(n * q_heads * head_dim);
+          own.lses.resize(n * q_heads);
+          for (int64_t c = 0; c < n; ++c) {
+            const auto [lo, hi] = chunk_range(len[b], n, c);
+            decode_range(qb, k_buffer, v_buffer, slots + lo, hi - lo, kv_heads, it.head, group, head_dim, scale,
+                         logit_cap, own.parts.data() + c * q_heads * head_dim, own.lses.data() + c * q_heads,
+                         scratch, k_scale, v_scale);
+          }
+          merge_chunks(own.parts.data(), own.lses.data(), n, q_heads, it.head, group, head_dim, out + b * out_stride);
+          continue;
+        }
+        if (it.chunk >= chunks[b]) continue;  // a shorter row of the chain has fewer chunks
+        const auto [lo, hi] = chunk_range(len[b], chunks[b], it.chunk);
+        const int64_t row = part_row[b] + it.chunk;
+        decode_range(qb, k_buffer, v_buffer, slots + lo, hi - lo, kv_heads, it.head, group, head_dim, scale,
+                     logit_cap, parts.data() + row * q_heads * head_dim, lses.data() + row * q_heads, scratch,
+                     k_scale, v_scale);
       }
-      const auto [lo, hi] = chunk_range(len[it.b], chunks[it.b], it.chunk);
-      const int64_t row = part_row[it.b] + it.chunk;
-      decode_range(qb, k_buffer, v_buffer, slots + lo, hi - lo, kv_heads, it.head, group, head_dim, scale, logit_cap,
-                   parts.data() + row * q_heads * head_dim, lses.data() + row * q_heads, scratch, k_scale, v_scale);
     }
     if (split) {
 #pragma omp for collapse(2) schedule(static)
