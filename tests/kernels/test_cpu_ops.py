@@ -18,6 +18,7 @@ import logging
 import platform
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -523,6 +524,53 @@ def test_decode_attention_extend_rows_equal_each_row_alone(ops, dtype):
                                               rpi[i:i + 1], lens[i:i + 1], 0.125)
         tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-5, rtol=BF16_RTOL)
         torch.testing.assert_close(rows[i:i + 1].float(), expected, **tol)
+
+
+def fast_exp_float32(x: np.ndarray) -> np.ndarray:
+    """`cpu_kernels.cpp`'s `fast_exp` (Cephes `expf`) in numpy float32, each operation
+    rounded on its own as the kernel's scalar code is compiled (-ffp-contract=off)."""
+    f = np.float32
+    x = np.minimum(np.maximum(x.astype(f), f(-87.3)), f(88.7))
+    n = np.rint(x * f(1.44269504088896341))
+    r = (x - n * f(0.693359375)) + n * f(2.12194440e-4)
+    p = np.full_like(x, f(1.9875691500e-4))
+    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = p * r + f(c)
+    p = ((p * r) * r + r) + f(1.0)
+    return np.ldexp(p, n.astype(np.int32)).astype(f)
+
+
+@pytest.mark.parametrize("length", [1, 5, 15, 16 + 1, 16 + 9, 16 + 15])
+def test_decode_softmax_tail_is_fast_exp_bit_for_bit(lib, ops, request, length):
+    """The softmax's last len % 16 probabilities (exps in masked lanes on AVX-512) are the
+    bits of the scalar `fast_exp`, summed in order. Scores are made exact (q = e_0 and K
+    rows x_t e_0, scale 1) and V rows one-hot, so the output's first `length` dims are the
+    probabilities themselves; the first 16 keys of a longer row equal the maximum, whose
+    exp is exactly 1 on every path. The AVX2 build's softmax is another exp and sum order."""
+    if request.node.callspec.params["lib"] == "no-avx512":
+        pytest.skip("the AVX2 loops exponentiate with exp_nonpositive in 8-lane sums")
+    batch = 256  # requests, each its own scores: many exps to compare
+    gen = np.random.default_rng(length)
+    x = (gen.standard_normal((batch, length)) * 30).astype(np.float32)
+    x[:, ::4] -= 200  # below the clamp at -87.3 after the max is taken off
+    if length > 16:
+        x[:, :16] = x.max(axis=1, keepdims=True) + 1
+    k_buffer = torch.zeros(batch * length, 1, 64)
+    k_buffer[:, 0, 0] = torch.from_numpy(x.reshape(-1))
+    v_buffer = torch.zeros(batch * length, 1, 64)
+    v_buffer[torch.arange(batch * length), 0, torch.arange(batch * length) % length] = 1.0
+    q = torch.zeros(batch, 1, 64)
+    q[:, 0, 0] = 1.0
+    req_to_token = torch.arange(batch * length, dtype=torch.int32).reshape(batch, length)
+    out = ops.decode_attention(q, k_buffer, v_buffer, req_to_token, torch.arange(batch),
+                               torch.full((batch,), length), 1.0)
+
+    e = fast_exp_float32(x - x.max(axis=1, keepdims=True))
+    denom = np.zeros(batch, dtype=np.float32)
+    for t in range(length):
+        denom = denom + e[:, t]
+    expected = e * (np.float32(1) / denom)[:, None]
+    assert out[:, 0, :length].numpy().tobytes() == expected.tobytes()
 
 
 @pytest.mark.parametrize("sliding_window", [None, 300])

@@ -277,6 +277,23 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
+
+// `fast_exp` in lanes, bit for bit: the same operations in the same order, each rounded
+// on its own (no fused multiply-add, as the scalar code is compiled), 2^n applied by
+// `scalef` (exact, as `ldexp`). For a row's last len % 16 elements, which `fast_exp`
+// took one at a time (a libm `ldexp` call each: 5-19 % of a verify chain's attention).
+inline __m512 fast_exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_add_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
+  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
 #else
 constexpr int64_t kLanes = 0;  // no vector loops: scalar code only
 #endif
@@ -506,6 +523,11 @@ inline float softmax_inplace(float* sg, int64_t len) {
     sum16 = _mm512_add_ps(sum16, e);
   }
   denom = _mm512_reduce_add_ps(sum16);
+  if (t < len) {  // the tail's exps in lanes; its sum stays in order, as below
+    const __mmask16 tail = static_cast<__mmask16>((1u << (len - t)) - 1);
+    _mm512_mask_storeu_ps(sg + t, tail, fast_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sg + t), mx16)));
+    for (; t < len; ++t) denom += sg[t];
+  }
 #endif
   for (; t < len; ++t) {
     sg[t] = fast_exp(sg[t] - mx);
@@ -551,16 +573,31 @@ void decode_tile(const T* q, const E* k_buffer, const E* v_buffer, const uint16_
   __m512 qv[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) qv[g][c] = load16(q + g * D + c * 16);
-  for (int64_t t = 0; t < len; ++t) {
-    const E* k = pool_row<E, D>(k_buffer, slots, t, len, kv_heads, head);
-    const float ks = row_scale<E>(k_scale, slots[t], kv_heads, head);
-    __m512 kr[C];
-    for (int c = 0; c < C; ++c) kr[c] = load16(k + c * 16);
-    for (int g = 0; g < G; ++g) {
-      __m512 sum = _mm512_mul_ps(qv[g][0], kr[0]);
-      for (int c = 1; c < C; ++c) sum = _mm512_fmadd_ps(qv[g][c], kr[c], sum);
-      scores[g * len + t] = capped(_mm512_reduce_add_ps(sum) * ks, scale, logit_cap);
+  // The soft cap is decided once, outside the key loop: its `std::tanh` call inside the
+  // loop made the compiler keep `qv` in memory (a call clobbers every zmm register) and
+  // branch per score. The scores are the same products, rounded the same way.
+  const auto score_keys = [&](auto has_cap) {
+    for (int64_t t = 0; t < len; ++t) {
+      const E* k = pool_row<E, D>(k_buffer, slots, t, len, kv_heads, head);
+      const float ks = row_scale<E>(k_scale, slots[t], kv_heads, head);
+      __m512 kr[C];
+      for (int c = 0; c < C; ++c) kr[c] = load16(k + c * 16);
+      for (int g = 0; g < G; ++g) {
+        __m512 sum = _mm512_mul_ps(qv[g][0], kr[0]);
+        for (int c = 1; c < C; ++c) sum = _mm512_fmadd_ps(qv[g][c], kr[c], sum);
+        const float dot = _mm512_reduce_add_ps(sum) * ks;
+        if constexpr (decltype(has_cap)::value) {
+          scores[g * len + t] = capped(dot, scale, logit_cap);
+        } else {
+          scores[g * len + t] = dot * scale;
+        }
+      }
     }
+  };
+  if (logit_cap > 0.f) {
+    score_keys(std::true_type{});
+  } else {
+    score_keys(std::false_type{});
   }
   for (int g = 0; g < G; ++g) {
     const float l = softmax_inplace(scores + g * len, len);
