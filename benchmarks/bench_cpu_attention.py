@@ -11,6 +11,9 @@ the library built from `cpu_kernels.cpp` as it was at git revision REV, and the
 table gives the ratio of medians. K/V GB/s counts the K and V bytes the call reads
 (each K and V row once per KV head), against the copy bandwidth measured in the
 same run (read + write bytes of `copy_` on 512 MiB, as `bench_decode_step.py`).
+With `--draft-len N` every request is a speculative verify chain instead: 1 + N rows
+of it at lengths context - N .. context (`TARGET_VERIFY` rows); K/V per call still
+counts each request's K/V once. The two builds' outputs must be the same bits.
 
     flock /tmp/arborlm-timing.lock .venv/bin/python benchmarks/bench_cpu_attention.py \\
         --batch-sizes 1,8,32 --baseline-rev HEAD
@@ -49,16 +52,26 @@ def baseline_library(rev: str, workdir: Path):
 
 
 def make_step(batch: int, context: int, layers: int, q_heads: int, kv_heads: int, head_dim: int,
-              dtype: torch.dtype):
-    """q per layer, the pools of `layers` layers and the step's indices (slots contiguous per request)."""
+              dtype: torch.dtype, draft_len: int = 0):
+    """q per layer, the pools of `layers` layers and the step's indices (slots contiguous per
+    request); with `draft_len`, 1 + draft_len rows per request at lengths context - draft_len
+    .. context (a verify chain)."""
     slots = batch * context
+    rows = 1 + draft_len
     k_pools = [torch.randn(slots, kv_heads, head_dim).to(dtype) for _ in range(layers)]
     v_pools = [torch.randn(slots, kv_heads, head_dim).to(dtype) for _ in range(layers)]
-    qs = [torch.randn(batch, q_heads, head_dim).to(dtype) for _ in range(layers)]
+    qs = [torch.randn(batch * rows, q_heads, head_dim).to(dtype) for _ in range(layers)]
     req_to_token = torch.arange(slots, dtype=torch.int32).view(batch, context)
-    req_pool_indices = torch.arange(batch, dtype=torch.int64)
-    seq_lens = torch.full((batch,), context, dtype=torch.int64)
+    req_pool_indices = torch.arange(batch, dtype=torch.int64).repeat_interleave(rows)
+    seq_lens = torch.arange(context - draft_len, context + 1, dtype=torch.int64).repeat(batch)
     return qs, k_pools, v_pools, req_to_token, req_pool_indices, seq_lens
+
+
+def outputs(ops: NativeLayerOps, step) -> torch.Tensor:
+    """The first layer's output (to check that two builds agree bit for bit)."""
+    qs, k_pools, v_pools, req_to_token, rpi, seq_lens = step
+    return ops.decode_attention(qs[0], k_pools[0], v_pools[0], req_to_token, rpi, seq_lens, qs[0].shape[-1] ** -0.5,
+                                check=False)
 
 
 def time_block(ops: NativeLayerOps, step, calls: int) -> float:
@@ -85,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10, help="interleaved blocks per variant")
     parser.add_argument("--calls", type=int, default=60, help="calls per block")
     parser.add_argument("--baseline-rev", default=None, help="git revision of cpu_kernels.cpp to compare with")
+    parser.add_argument("--draft-len", type=int, default=0, help="verify chains of 1 + N rows per request")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     variants = {"current": NativeLayerOps(cpu_ops.native_library())}
@@ -94,14 +108,18 @@ def main(argv: list[str] | None = None) -> int:
         bandwidth = copy_bandwidth_gbs()
         print(f"copy bandwidth (read + write) {bandwidth:.1f} GB/s; {args.q_heads}/{args.kv_heads} heads, "
               f"head_dim {args.head_dim}, {args.dtype}, {args.context} tokens per request, "
-              f"{torch.get_num_threads()} threads")
+              f"{1 + args.draft_len} row(s) per request, {torch.get_num_threads()} threads")
         names = list(variants)
         header = "| batch | K/V per call (MB) | " + " | ".join(f"{n} (us)" for n in names)
         header += " | " + " | ".join(f"{n} K/V GB/s" for n in names)
         print(header + (" | current / baseline |" if len(names) > 1 else " |"))
         print("|" + "---|" * (2 + 2 * len(names) + (len(names) > 1)))
         for batch in (int(b) for b in args.batch_sizes.split(",")):
-            step = make_step(batch, args.context, args.layers, args.q_heads, args.kv_heads, args.head_dim, dtype)
+            step = make_step(batch, args.context, args.layers, args.q_heads, args.kv_heads, args.head_dim, dtype,
+                             args.draft_len)
+            results = [outputs(ops, step) for ops in variants.values()]
+            if any(not torch.equal(results[0], r) for r in results[1:]):
+                raise SystemExit(f"batch {batch}: the builds' outputs differ")
             kv_mb = 2 * batch * args.context * args.kv_heads * args.head_dim * dtype.itemsize / 1e6
             times = {n: [] for n in names}
             for ops in variants.values():

@@ -283,7 +283,8 @@ class ModelWorker:
         rows = draft_rows(batch.forward_batch.extend_seq_lens_cpu, batch.draft_tokens)
         if rows is not None:  # a jump's forced tokens ran before some drafts
             full_logits = full_logits[torch.tensor(rows, device=full_logits.device)]
-        out = self.draft_verifier.verify(batch.reqs, batch.draft_tokens, full_logits)
+        with torch.inference_mode():  # the verifier masks the forward's (inference) logits in place
+            out = self.draft_verifier.verify(batch.reqs, batch.draft_tokens, full_logits)
         infos = [None if lp is None else LogprobInfo(*lp) for lp in out.logprobs]
         return GenerationResult(out.token_ids, infos, [None] * len(batch.reqs), out.accept_lens, out.invalid_rows)
 
