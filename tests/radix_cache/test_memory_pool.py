@@ -41,6 +41,46 @@ def test_allocator_double_free_caught():
         allocator.check_invariants()
 
 
+class EagerFreeList:
+    """The allocator's order as a plain list: take from the front, give back at the end."""
+
+    def __init__(self, size: int):
+        self.free = list(range(1, size + 1))
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self.free):
+            return None
+        taken, self.free = self.free[:n], self.free[n:]
+        return taken
+
+
+@pytest.mark.parametrize("size", [300, 3000])  # 3000: hundreds of pieces queue before the list runs out
+def test_allocator_hands_out_slots_in_free_list_order(size):
+    """Freed slots queue behind the free list (joined only when an allocation reaches them,
+    or in pieces past MAX_QUEUED_PIECES): every allocation still returns exactly the slots
+    a free list joined at each free would, and a freed tensor changed afterwards does not
+    change the free list."""
+    gen = torch.Generator().manual_seed(5)
+    allocator, eager = TokenToKVPoolAllocator(size), EagerFreeList(size)
+    held: list[torch.Tensor] = []
+    for step in range(2000):
+        if held and (torch.rand((), generator=gen) < 0.5 or allocator.available_size() < 10):
+            slots = held.pop(int(torch.randint(len(held), (), generator=gen)))
+            allocator.free(slots)
+            eager.free.extend(slots.tolist())
+            slots.fill_(0)  # the caller's tensor, reused: the allocator kept its own copy
+        else:
+            n = int(torch.randint(1, 12, (), generator=gen))
+            got, want = allocator.alloc(n), eager.alloc(n)
+            assert (got is None) == (want is None)
+            if got is not None:
+                assert got.tolist() == want, f"step {step}"
+                held.append(got.clone())
+        assert allocator.available_size() == len(eager.free)
+    assert allocator.free_slots.tolist() == eager.free
+    allocator.check_invariants()
+
+
 def test_allocator_clear():
     allocator = TokenToKVPoolAllocator(4)
     allocator.alloc(4)
