@@ -262,12 +262,19 @@ inline __m512 load16(const Fp8E4M3* p) {
 }
 inline __m512 load16(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(load16_bytes(p))); }
 
-inline __m512 exp16(__m512 x) {
+// exp's range reduction, shared by `exp16` and `fast_exp16`: x clamped to float32's range,
+// n = round(x / ln 2) (into *n), and r = x - n ln 2 (ln 2 in two parts, as Cephes' expf).
+inline __m512 exp16_reduce(__m512 x, __m512* n) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-  r = _mm512_add_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  *n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(*n, _mm512_set1_ps(0.693359375f)));
+  return _mm512_add_ps(r, _mm512_mul_ps(*n, _mm512_set1_ps(2.12194440e-4f)));
+}
+
+inline __m512 exp16(__m512 x) {
+  __m512 n;
+  const __m512 r = exp16_reduce(x, &n);
   __m512 p = _mm512_set1_ps(1.9875691500e-4f);
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
@@ -283,11 +290,8 @@ inline __m512 exp16(__m512 x) {
 // `scalef` (exact, as `ldexp`). For a row's last len % 16 elements, which `fast_exp`
 // took one at a time (a libm `ldexp` call each: 5-19 % of a verify chain's attention).
 inline __m512 fast_exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-  r = _mm512_add_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  __m512 n;
+  const __m512 r = exp16_reduce(x, &n);
   __m512 p = _mm512_set1_ps(1.9875691500e-4f);
   for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
     p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
