@@ -53,8 +53,6 @@ class AdaptiveConfig:
     forget: per decode step a request is not verified, the share of its evidence kept
         (the rest returns to the prior).
     cost_decay: weight a step-time model keeps per step timed.
-    sampled_min_rate: the acceptance rate at or above which a sampled request drafts
-        (its choice is its own, see `AdaptivePolicy.plan`).
     explore_every: after this many timed steps without a plain decode step (a verify
         step), the next step that may be one is (so ``T_d`` and ``T_v`` stay measured).
     """
@@ -64,11 +62,10 @@ class AdaptiveConfig:
     rate_decay: float = 0.7
     forget: float = 0.95
     cost_decay: float = 0.9
-    sampled_min_rate: float = 0.3
     explore_every: int = 16
 
     def __post_init__(self):
-        for name in ("prior_rate", "rate_decay", "forget", "cost_decay", "sampled_min_rate"):
+        for name in ("prior_rate", "rate_decay", "forget", "cost_decay"):
             value = getattr(self, name)
             if not 0.0 < value < 1.0:
                 raise ValueError(f"{name}={value!r} must be in (0, 1)")
@@ -113,12 +110,6 @@ class AcceptanceEstimate:
         keep, cfg = self.config.forget, self.config
         self.accepted = keep * self.accepted + (1 - keep) * cfg.prior_rate * cfg.prior_weight
         self.tried = keep * self.tried + (1 - keep) * cfg.prior_weight
-
-
-def expected_accepted(rate: float, draft_len: int) -> float:
-    """Expected accepted tokens of a ``draft_len`` draft at acceptance ``rate``:
-    ``rate + rate^2 + ... + rate^draft_len`` (Leviathan et al. 2023, without the bonus token)."""
-    return sum(rate ** j for j in range(1, draft_len + 1))
 
 
 class StepCostModel:
@@ -204,51 +195,43 @@ class AdaptivePolicy:
         """A new request's acceptance estimate (the prior)."""
         return AcceptanceEstimate(self.config)
 
-    def plan(self, max_lens: Sequence[int], rates: Sequence[float],
-             sampled: Sequence[bool] | None = None) -> list[int]:
+    def plan(self, max_lens: Sequence[int], rates: Sequence[float]) -> list[int]:
         """The draft length of each request of a decode step (0: it does not draft).
+
+        Sampled requests are planned like greedy ones: a draft never changes which token a
+        seed draws (`verify.rejection_sample` draws each emitted token as a plain decode
+        step would), so their drafts may depend on the batch and the clock.
 
         Parameters
         ----------
         max_lens: per request, the longest draft it has or may take (tokens).
         rates: per request, its estimated acceptance rate in (0, 1).
-        sampled: per request, whether it samples (temperature > 0). A sampled
-            request's draft changes which sample its seed draws (never the
-            distribution), so its choice must not depend on the batch or the
-            clock: it takes its whole draft while its own rate is at least
-            ``AdaptiveConfig.sampled_min_rate``, else none; the greedy requests'
-            drafts are planned around it.
 
         Returns
         -------
         list[int]
-            ``k_i <= max_lens[i]``; the greedy requests' all 0 when drafting does
-            not raise the expected tokens per second.
+            ``k_i <= max_lens[i]``; all 0 when drafting does not raise the expected tokens
+            per second.
         """
         batch = len(max_lens)
-        sampled = sampled or [False] * batch
-        lens = [k if s and rates[i] >= self.config.sampled_min_rate else 0
-                for i, (k, s) in enumerate(zip(max_lens, sampled))]
-        worth = sorted(((rates[i] ** j, i) for i, k in enumerate(max_lens) if not sampled[i]
-                        for j in range(1, k + 1)), reverse=True)
+        lens = [0] * batch
+        worth = sorted(((rates[i] ** j, i) for i, k in enumerate(max_lens) for j in range(1, k + 1)), reverse=True)
         if not worth:
             return lens
         decode, verify = self.costs[self.DECODE], self.costs[self.VERIFY]
-        whole = [n if s else k for k, s, n in zip(max_lens, sampled, lens)]  # every greedy draft in full
+        whole = list(max_lens)  # every draft in full
         if decode.empty and verify.empty:
             return whole  # nothing timed: try it
         if decode.empty or self.steps_since[self.DECODE] >= self.config.explore_every:
-            return lens  # time a plain decode step (when the sampled requests let it be one)
+            return lens  # time a plain decode step
         if verify.empty or self.steps_since[self.VERIFY] >= self.config.explore_every:
             return whole  # time a verify step
         plain = decode.estimate(batch)
-        rows = batch + sum(lens)
-        tokens = batch + sum(expected_accepted(rates[i], k) for i, k in enumerate(lens))
-        base = plain if rows == batch else self._verify_cost(rows, plain)
-        best_m, best = 0, tokens / base if base > 0 else 0.0
+        tokens = float(batch)
+        best_m, best = 0, tokens / plain if plain > 0 else 0.0
         for m, (value, _) in enumerate(worth, start=1):
             tokens += value
-            cost = self._verify_cost(rows + m, plain)
+            cost = self._verify_cost(batch + m, plain)
             if cost > 0 and tokens / cost > best:
                 best_m, best = m, tokens / cost
         for _, i in worth[:best_m]:

@@ -349,8 +349,8 @@ def make_draft_worker(server_args: ServerArgs, target_vocab_size: int, context_l
         runner = ModelRunner(draft_args)
     except ValueError as exc:
         raise ValueError(f"speculative_draft_model_path={path!r}: {exc}") from exc
-    except ModelLoadError:
-        raise
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"speculative_draft_model_path={path!r}: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - a draft that fails to load must stop start-up typed
         raise ModelLoadError(f"speculative_draft_model_path={path!r} could not be loaded: {exc}") from exc
     check_same_vocab(path, runner.checkpoint, tokenizer)

@@ -270,18 +270,16 @@ class NgramDrafter:
         return TextLookup(text)
 
     def propose(self, index: PromptLookupIndex, tokens: Sequence[int], max_len: int,
-                text: TextLookup | None = None, cross_request: bool = True) -> list[int]:
+                text: TextLookup | None = None) -> list[int]:
         """At most ``min(max_len, num_draft_tokens)`` draft tokens to follow ``tokens``: the
-        first source of the module docstring that has some (``text``: the request's source 3;
-        ``cross_request`` False leaves out the other requests' outputs, whose drafts depend on
-        what finished before)."""
+        first source of the module docstring that has some (``text``: the request's source 3)."""
         limit = min(max_len, self.num_draft_tokens)
         if limit <= 0:
             return []
         draft = self._from_text(text.propose_value, tokens, limit) if text is not None else []
         if not draft:
             draft = index.propose(tokens, limit)
-        if not draft and cross_request:
+        if not draft:
             draft = self.recent.propose(tokens, limit)
         if not draft and text is not None:
             draft = self._from_text(text.propose, tokens, limit)

@@ -135,8 +135,7 @@ class Speculator:
         a request that takes none counts a step without evidence (`AcceptanceEstimate.forget`)."""
         states = [self._state(req) for req in reqs]
         if self.config.speculative_adaptive:
-            sampled = [not req.sampling_params.is_greedy for req in reqs]
-            lens = self.policy.plan(max_lens, [s.acceptance.rate for s in states], sampled)
+            lens = self.policy.plan(max_lens, [s.acceptance.rate for s in states])
         else:
             lens = list(max_lens)
         for state, n in zip(states, lens):
@@ -152,11 +151,7 @@ class Speculator:
         if room <= 0:
             return []
         state = req.spec_state
-        # A sampled request's draft decides which of its seed's draws it makes: it drafts from
-        # its own tokens and prompt only, so the same seed gives the same output whatever ran
-        # before or beside it (the other requests' outputs would make it depend on them).
-        draft = self.drafter.propose(state.index, req.fill_ids, room, state.text,
-                                     cross_request=req.sampling_params.is_greedy)
+        draft = self.drafter.propose(state.index, req.fill_ids, room, state.text)
         if req.grammar is not None:
             draft = grammatical_prefix(req.grammar, draft)
             if not draft and self.tokenizer is not None:

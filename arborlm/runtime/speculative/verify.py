@@ -14,14 +14,20 @@ the same temperature and top-k / top-p / min-p.
 * Greedy requests keep ``t[0..n]`` (``t[j]`` the argmax of row j) where ``n``
   is the longest prefix with ``d[:n] == t[:n]``: token-identical to speculation off.
 * Sampled requests use rejection sampling (Leviathan et al. 2023, Chen et al.
-  2023) with the n-gram draft as a point mass ``q = δ(d[j])``: draft token
-  ``d[j]`` is accepted with probability ``p_j(d[j])``; on the first rejection
-  the token is drawn from the residual ``max(p_j - q, 0)``, i.e. ``p_j``
-  without ``d[j]``, renormalised, and the chain ends; when all are accepted
-  the next token is drawn from ``p_k``. Every emitted token is then
-  distributed exactly as ``p`` (the target's sampling distribution). Draws use
-  the request's own generator, so the same seed and drafts give the same
-  output whatever else shares the batch.
+  2023) with each draft token as a point mass ``q = δ(d[j])`` (n-gram drafts and
+  a draft model's greedy ones both are): ``d[j]`` is accepted with probability
+  ``p_j(d[j])``; on the first rejection the token comes from the residual
+  ``max(p_j - q, 0)``, i.e. ``p_j`` without ``d[j]``, renormalised, and the chain
+  ends; when all are accepted the next token comes from ``p_k``. Every emitted
+  token is then distributed exactly as ``p`` (the target's sampling distribution).
+  The acceptance and the residual draw are coupled through one draw: row j draws
+  ``t_j ~ p_j`` with the request's generator exactly as a plain decode step at
+  that position would (one `torch.multinomial` per emitted token), and ``d[j]`` is
+  accepted iff ``t_j == d[j]`` (probability ``p_j(d[j])``; given a rejection,
+  ``t_j`` follows the residual). So the emitted tokens are the ones speculation off
+  draws with the same seed, whatever was drafted: drafts depend on the batch (other
+  requests' outputs in the n-gram index, the step's draft budget, the adaptive
+  switch), and the same seed still gives the same output whatever the batch.
 """
 
 from __future__ import annotations
@@ -98,28 +104,23 @@ def rejection_sample(draft: list[int], probs: torch.Tensor, generator: torch.Gen
     ----------
     draft: the k draft tokens (a point-mass proposal each).
     probs: (k + 1, V) float32, the target's sampling probabilities per chain row
-        (unnormalised is fine), every row finite with a positive sum.
-    generator: the request's generator; it advances by one uniform per
-        accepted draft token and one multinomial draw at the end.
+        (unnormalised is fine, as for `torch.multinomial`), every row finite with a
+        positive sum: what the sampler of a plain decode step would draw from there.
+    generator: the request's generator; it advances by one `torch.multinomial` draw per
+        emitted token, as plain decode steps emitting them would.
 
     Returns
     -------
     list[int]
-        The accepted draft tokens, then one token from the residual (on a
-        rejection) or from the last row (all accepted): 1 to k + 1 tokens.
+        The accepted draft tokens, then the first draw that differs from its draft token
+        (a rejection) or the draw after the last one (all accepted): 1 to k + 1 tokens.
     """
     out: list[int] = []
-    for j, token_id in enumerate(draft):
-        row = probs[j] / probs[j].sum()
-        u = torch.rand((), generator=generator, device=row.device)
-        if float(u) < float(row[token_id]):
-            out.append(token_id)
-            continue
-        residual = row.clone()
-        residual[token_id] = 0.0
-        out.append(int(torch.multinomial(residual, 1, generator=generator)[0]))
-        return out
-    out.append(int(torch.multinomial(probs[len(draft)], 1, generator=generator)[0]))
+    for j in range(len(draft) + 1):
+        token_id = int(torch.multinomial(probs[j], 1, generator=generator)[0])
+        out.append(token_id)
+        if j == len(draft) or token_id != draft[j]:
+            break
     return out
 
 

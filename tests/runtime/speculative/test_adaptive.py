@@ -18,7 +18,6 @@ from arborlm.runtime.speculative.adaptive import (
     AdaptivePolicy,
     StepCostModel,
     StepTimer,
-    expected_accepted,
 )
 from tests.runtime.scheduler_helpers import make_req, run_to_completion
 from tests.runtime.speculative.test_spec_scheduler_fake_worker import (
@@ -64,11 +63,6 @@ def test_step_cost_model(points, rows, want):
     assert model.estimate(rows) == pytest.approx(want)
 
 
-def test_expected_accepted():
-    assert expected_accepted(0.5, 0) == 0
-    assert expected_accepted(0.5, 3) == pytest.approx(0.5 + 0.25 + 0.125)
-
-
 def policy_with(decode, verify) -> AdaptivePolicy:
     """A policy whose cost models saw decode steps ``[(rows, s)]`` and verify steps ``[(rows, s)]``."""
     policy = AdaptivePolicy()
@@ -83,17 +77,16 @@ BANDWIDTH_BOUND = dict(decode=[(4, 0.0204), (8, 0.0208)], verify=[(8, 0.0208), (
 COMPUTE_BOUND = dict(decode=[(4, 0.041), (8, 0.081)], verify=[(8, 0.081), (40, 0.401)])  # 1 ms + 10 ms/row
 
 
-@pytest.mark.parametrize("costs, max_lens, rates, sampled, want", [
-    (dict(decode=[], verify=[]), [3, 0, 5], [0.1, 0.9, 0.1], None, [3, 0, 5]),  # nothing timed: try all
-    (BANDWIDTH_BOUND, [4, 4, 4, 4], [0.9] * 4, None, [4, 4, 4, 4]),  # rows nearly free, drafts good
-    (COMPUTE_BOUND, [4, 4, 4, 4], [0.9] * 4, None, [0, 0, 0, 0]),  # each row costs a step's worth
-    (BANDWIDTH_BOUND, [4, 4, 0, 4], [0.9, 0.005, 0.9, 0.9], None, [4, 0, 0, 4]),  # the hopeless one is left out
-    (BANDWIDTH_BOUND, [6, 0, 0, 0], [0.05, 0.5, 0.5, 0.5], None, [1, 0, 0, 0]),  # a poor draft's tail is cut
-    (COMPUTE_BOUND, [4, 4, 0, 0], [0.5, 0.9, 0.2, 0.2], [True, False, False, False], [4, 3, 0, 0]),  # sampled: own rate
-    (BANDWIDTH_BOUND, [4, 4, 0, 0], [0.2, 0.9, 0.2, 0.2], [True, False, False, False], [0, 4, 0, 0]),
+@pytest.mark.parametrize("costs, max_lens, rates, want", [
+    (dict(decode=[], verify=[]), [3, 0, 5], [0.1, 0.9, 0.1], [3, 0, 5]),  # nothing timed: try all
+    (BANDWIDTH_BOUND, [4, 4, 4, 4], [0.9] * 4, [4, 4, 4, 4]),  # rows nearly free, drafts good
+    (COMPUTE_BOUND, [4, 4, 4, 4], [0.9] * 4, [0, 0, 0, 0]),  # each row costs a step's worth
+    (BANDWIDTH_BOUND, [4, 4, 0, 4], [0.9, 0.005, 0.9, 0.9], [4, 0, 0, 4]),  # the hopeless one is left out
+    (BANDWIDTH_BOUND, [6, 0, 0, 0], [0.05, 0.5, 0.5, 0.5], [1, 0, 0, 0]),  # a poor draft's tail is cut
+    (BANDWIDTH_BOUND, [4, 4, 0, 0], [0.2, 0.9, 0.2, 0.2], [2, 4, 0, 0]),  # each cut where worth < row cost
 ])
-def test_plan(costs, max_lens, rates, sampled, want):
-    assert policy_with(**costs).plan(max_lens, rates, sampled) == want
+def test_plan(costs, max_lens, rates, want):
+    assert policy_with(**costs).plan(max_lens, rates) == want
 
 
 def test_plan_before_any_verify_step_takes_verify_as_cheap_as_decode():
@@ -103,8 +96,8 @@ def test_plan_before_any_verify_step_takes_verify_as_cheap_as_decode():
 
 def test_plan_times_each_kind_first_and_then_now_and_then():
     """The first step of each kind is not counted; until a plain decode step is timed (or after
-    explore_every steps without one) the step decodes plainly (a sampled request above its rate
-    still drafts); after explore_every steps without a verify step it verifies every draft."""
+    explore_every steps without one) the step decodes plainly; after explore_every steps
+    without a verify step it verifies every draft."""
     now = [0.0]
     policy = AdaptivePolicy(AdaptiveConfig(explore_every=3), clock=lambda: now[0])
 
@@ -118,7 +111,6 @@ def test_plan_times_each_kind_first_and_then_now_and_then():
     assert policy.plan([4, 4], [0.9, 0.9]) == [4, 4]
     step(policy.VERIFY, 10, 0.021)
     assert policy.plan([4, 4], [0.9, 0.9]) == [0, 0]  # no plain step timed yet
-    assert policy.plan([4, 4], [0.9, 0.9], [True, False]) == [4, 0]
     step(policy.DECODE, 2, 9.0)  # the first plain step: not counted
     assert policy.plan([4, 4], [0.9, 0.9]) == [0, 0]
     step(policy.DECODE, 2, 0.020)

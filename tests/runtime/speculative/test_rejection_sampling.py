@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 import torch
 
-from arborlm.runtime.sampling import SamplingBatchInfo, filter_probs
+from arborlm.runtime.sampling import SamplingBatchInfo, filter_probs, make_generator
 from arborlm.runtime.schedule_batch import Req
 from arborlm.runtime.speculative.verify import DraftVerifier
 from arborlm.sampling_params import SamplingParams
@@ -124,3 +124,34 @@ def test_the_same_seed_gives_the_same_tokens_whatever_the_batch(target_logits):
         offset += n
     assert list(reversed(tokens)) == [a.token_ids for a in alone]
     assert len({tuple(t) for t in tokens}) > 1  # the seeds differ, so do the samples
+
+
+def plain_decode_draws(seed: int, logits: torch.Tensor, n: int, **sampling) -> list[int]:
+    """The first ``n`` tokens a plain decode step would draw at rows 0.. of ``logits`` with this
+    seed: the sampler's probabilities (temperature, filters; not renormalised, as it draws from
+    them), one `torch.multinomial` per step on the request's generator."""
+    params = SamplingParams(**sampling).normalized()
+    info = SamplingBatchInfo.from_params([params] * logits.shape[0], [seed] * logits.shape[0], VOCAB)
+    probs = filter_probs(torch.softmax(logits / info.temperatures, dim=-1), info)
+    generator = make_generator(seed)
+    return [int(torch.multinomial(probs[j], 1, generator=generator)[0]) for j in range(n)]
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9}], ids=["t1", "top_p"])
+def test_emitted_tokens_are_speculation_offs_draws_whatever_the_draft(target_logits, sampling):
+    """The drafts of a sampled request depend on its batch (other requests' outputs, the step's
+    budget, the adaptive switch); its tokens must not: with any draft, or none, a seed emits the
+    tokens plain decode steps draw with it (the token after an accepted draft too)."""
+    probs = sampler_probs(target_logits, **sampling)
+    likely, unlikely = int(probs[0].argmax()), int(target_logits[0].argmin())
+    accepted = 0
+    for seed in range(300):
+        plain = plain_decode_draws(seed, target_logits, 2, **sampling)
+        for draft in ([likely], [unlikely], []):
+            [req] = make_reqs(1, **sampling)
+            req.seed = seed
+            out = verify([req], draft, target_logits)
+            want = plain[:2] if draft and plain[0] == draft[0] else plain[:1]
+            assert out.token_ids == want, f"seed {seed}, draft {draft}"
+            accepted += len(out.token_ids) == 2
+    assert accepted > 50  # the likely draft was accepted often enough to test the second token

@@ -286,7 +286,7 @@ def test_a_draft_with_another_tokenizer_is_refused(tiny_llama_dir, tiny_tokenize
 def test_a_draft_that_fails_to_load_stops_start_up(tiny_llama_dir, tiny_tokenizer, tmp_path):
     """A missing draft and an unloadable one (no weights): ModelLoadError while the worker is built,
     before the scheduler exists (the launcher re-raises it from the scheduler process)."""
-    with pytest.raises(ModelLoadError, match="no-such-draft"):
+    with pytest.raises(ModelLoadError, match="speculative_draft_model_path=.*no-such-draft"):
         standalone(tiny_llama_dir, tiny_tokenizer, tmp_path / "no-such-draft")
     broken = tmp_path / "broken"
     broken.mkdir()
