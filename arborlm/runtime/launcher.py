@@ -48,6 +48,8 @@ MONITOR_INTERVAL_S = 1.0
 # is reported: `timeout` and systemd's cgroup kill send SIGTERM to every process at once.
 SIGTERM_GRACE_S = 2.0
 STOP_TIMEOUT_S = 10.0
+# How long a child that failed to start (it sent its error) gets to exit before it is killed.
+STARTUP_EXIT_GRACE_S = 3.0
 # How long libgomp's threads spin for the next parallel region before they sleep (its default
 # is 300000 spins; `GOMP_SPINCOUNT`). Between decode steps the scheduler runs a millisecond or
 # two of Python while its OpenMP threads spin, on the cores the HTTP front needs to write the
@@ -210,6 +212,9 @@ def launch_scheduler(server_args: ServerArgs, start_timeout_s: float = SCHEDULER
         model_info = _wait_ready(process, reader, start_timeout_s, tp_workers)
     except BaseException:
         for child in [process, *tp_workers.processes]:
+            # A child that sent its error exits by itself: killed, it would leave its
+            # semaphores to the resource tracker (a "leaked semaphore" warning at exit).
+            child.join(STARTUP_EXIT_GRACE_S)
             if child.is_alive():
                 child.kill()
             child.join(5)

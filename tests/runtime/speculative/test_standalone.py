@@ -11,6 +11,8 @@ after each step and that every target slot and row is back at the end
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import jsonschema
 import pytest
@@ -281,6 +283,25 @@ def test_a_draft_with_another_tokenizer_is_refused(tiny_llama_dir, tiny_tokenize
     other.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="speculative_draft_model_path.*tokenizer differs"):
         standalone(tiny_llama_dir, tiny_tokenizer, tmp_path)
+
+
+def test_serve_with_a_draft_of_another_tokenizer_exits_cleanly(tiny_llama_dir, tmp_path):
+    """`arborlm serve` whose scheduler refuses the draft: a usage error naming the argument,
+    nothing else on stderr (the scheduler process exits by itself; killed, it left a semaphore
+    to the resource tracker's "leaked semaphore" warning)."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    LlamaForCausalLM.from_pretrained(str(tiny_llama_dir), num_hidden_layers=1).save_pretrained(tmp_path)
+    other = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    other.add_tokens(["<only_in_the_draft>"])
+    other.save_pretrained(tmp_path)
+    out = subprocess.run([sys.executable, "-m", "arborlm", "serve", "--model-path", str(tiny_llama_dir),
+                          "--port", "0", "--speculative-algorithm", "STANDALONE",
+                          "--speculative-draft-model-path", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr
+    assert "arborlm serve: error: speculative_draft_model_path=" in out.stderr and "tokenizer differs" in out.stderr
+    assert "leaked" not in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
 def test_a_draft_that_fails_to_load_stops_start_up(tiny_llama_dir, tiny_tokenizer, tmp_path):
