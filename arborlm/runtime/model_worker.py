@@ -108,6 +108,8 @@ class GenerationResult:
         those requests alone and ignores their token.
     embeddings: an embedding server's step (`--is-embedding`): per request of the
         batch, its pooled vector when this step ended its prompt, else None.
+    draw_states: on a speculative verify step, per request, its generator's states after
+        each draw when it samples under a grammar (`speculative.verify.VerifyOutput`).
     """
 
     next_token_ids: list[int]
@@ -116,6 +118,7 @@ class GenerationResult:
     accept_lens: list[int] | None = None
     invalid_rows: tuple[int, ...] = ()
     embeddings: list[list[float] | None] | None = None
+    draw_states: list | None = None
 
     def check_shape(self, num_sampled: int, num_reqs: int) -> None:
         """Raise RuntimeError unless there is a token per sampled row and a prompt-logprob
@@ -286,7 +289,8 @@ class ModelWorker:
         with torch.inference_mode():  # the verifier masks the forward's (inference) logits in place
             out = self.draft_verifier.verify(batch.reqs, batch.draft_tokens, full_logits)
         infos = [None if lp is None else LogprobInfo(*lp) for lp in out.logprobs]
-        return GenerationResult(out.token_ids, infos, [None] * len(batch.reqs), out.accept_lens, out.invalid_rows)
+        return GenerationResult(out.token_ids, infos, [None] * len(batch.reqs), out.accept_lens, out.invalid_rows,
+                                draw_states=out.draw_states)
 
     def sample(self, reqs: list[Req], logits: torch.Tensor) -> Sampled:
         """Pick one token per request: `logits` (len(reqs), V) float32, grammar-masked in place first."""

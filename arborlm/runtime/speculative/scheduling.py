@@ -442,6 +442,7 @@ def process_verify_result(scheduler, batch, result) -> list:
     for j, ((req, draft), (kept, forced), skip) in enumerate(zip(pairs, appended, skipped)):
         kv.free_slots(rejected_slots(kv.req_to_token_pool, req, skip + len(draft), skip + max(1, len(kept))))
         req.kv_len += skip + max(1, len(kept))
+        rewind_draws(req, kept, result.draw_states[j] if result.draw_states else None)
         if j in invalid:
             outputs.append(scheduler.abort_non_finite(req))
             continue
@@ -457,6 +458,15 @@ def process_verify_result(scheduler, batch, result) -> list:
     if drafted:
         scheduler.speculator.stats.num_verify_steps += 1
     return outputs
+
+
+def rewind_draws(req: Req, kept: list[int], states: list | None) -> None:
+    """Set a sampled request's generator to its state after the draws of the ``kept`` tokens
+    when a forced jump cut the tokens drawn after them (``states``: its state after each draw,
+    `VerifyOutput.draw_states`): speculation off would have drawn nothing for them, so the
+    next draw is the one it makes after the jump, and the same seed gives the same output."""
+    if states and kept and not req.finished and len(kept) < len(states):
+        req.generator.set_state(states[len(kept) - 1])
 
 
 def _append_verified(scheduler, req: Req, tokens: list[int], invalid: bool) -> tuple[list[int], list[int]]:

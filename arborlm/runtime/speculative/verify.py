@@ -65,12 +65,18 @@ class VerifyOutput:
         request asked for logprobs, else None (the logprob is the target's, at
         temperature 1 after penalties and masks, as the sampler reports it).
     invalid_rows: requests whose first row was not finite (aborted by the scheduler).
+    draw_states: per request, for a sampled request with a grammar, its generator's state
+        after each of its draws (one per emitted token), else None: when a token forces a
+        jump, the scheduler keeps the tokens up to it and rewinds the generator to the
+        state after their draws, as if the rest had not been drawn (speculation off draws
+        nothing for the forced tokens that replace them).
     """
 
     token_ids: list[int]
     accept_lens: list[int]
     logprobs: list[tuple[float, int, list[tuple[float, int]]] | None]
     invalid_rows: tuple[int, ...]
+    draw_states: list[list[torch.Tensor] | None]
 
 
 def _takes(grammar, token_id: int) -> bool:
@@ -97,7 +103,8 @@ def accept_greedy(draft: list[int], targets: list[int], first_invalid: int | Non
     return emitted
 
 
-def rejection_sample(draft: list[int], probs: torch.Tensor, generator: torch.Generator) -> list[int]:
+def rejection_sample(draft: list[int], probs: torch.Tensor, generator: torch.Generator,
+                     states: list[torch.Tensor] | None = None) -> list[int]:
     """Tokens emitted for one sampled request (see the module docstring).
 
     Parameters
@@ -108,6 +115,8 @@ def rejection_sample(draft: list[int], probs: torch.Tensor, generator: torch.Gen
         positive sum: what the sampler of a plain decode step would draw from there.
     generator: the request's generator; it advances by one `torch.multinomial` draw per
         emitted token, as plain decode steps emitting them would.
+    states: when given, the generator's state after each draw is appended to it
+        (`torch.Generator.get_state`, a few KB each).
 
     Returns
     -------
@@ -119,6 +128,8 @@ def rejection_sample(draft: list[int], probs: torch.Tensor, generator: torch.Gen
     for j in range(len(draft) + 1):
         token_id = int(torch.multinomial(probs[j], 1, generator=generator)[0])
         out.append(token_id)
+        if states is not None:
+            states.append(generator.get_state())
         if j == len(draft) or token_id != draft[j]:
             break
     return out
@@ -175,11 +186,13 @@ class DraftVerifier:
         emitted_ids: list[int] = []
         emitted_rows: list[int] = []
         accept_lens: list[int] = []
+        draw_states: list[list[torch.Tensor] | None] = []
         invalid_reqs = []
         offset = 0
         for i, (req, d) in enumerate(zip(reqs, drafts)):
             rows = range(offset, offset + len(d) + 1)
             bad = [j for j, r in enumerate(rows) if r in invalid]
+            states = None
             if bad and bad[0] == 0:
                 invalid_reqs.append(i)
                 tokens = [argmax[offset]]  # meaningless: the scheduler aborts the request
@@ -188,13 +201,15 @@ class DraftVerifier:
                 tokens = targets[: accept_greedy(d, targets, bad[0] if bad else None)]
             else:
                 usable = bad[0] if bad else len(d) + 1  # rows before the first invalid one
-                tokens = rejection_sample(d[: usable - 1], probs[offset : offset + usable], req.generator)
+                states = [] if req.grammar is not None else None
+                tokens = rejection_sample(d[: usable - 1], probs[offset : offset + usable], req.generator, states)
+            draw_states.append(states)
             emitted_ids.extend(tokens)
             emitted_rows.extend(range(offset, offset + len(tokens)))
             accept_lens.append(len(tokens))
             offset += len(d) + 1
         logprobs = self._logprobs(row_reqs, logits, emitted_rows, emitted_ids)
-        return VerifyOutput(emitted_ids, accept_lens, logprobs, tuple(invalid_reqs))
+        return VerifyOutput(emitted_ids, accept_lens, logprobs, tuple(invalid_reqs), draw_states)
 
     def _apply_grammar_masks(self, reqs: list[Req], drafts: list[list[int]], logits: torch.Tensor,
                              skip: list[bool] | None = None) -> None:
