@@ -234,26 +234,12 @@ def test_jump_forward_tokens_run_with_a_draft_after_them_on_the_default_model(sm
 
     monkeypatch.setattr(scheduling, "build_verify_batch", recording)
 
-    def reqs():  # one after another: the later records draft from the earlier outputs
+    def reqs():
         return [make_req(f"r{i}", ids, max_new_tokens=40, json_schema=json.dumps(schema)) for i, ids in enumerate(prompts)]
-
-    def run(sched):
-        total = RunResultLike()
-        for req in reqs():
-            one = run_to_completion(sched, [req])
-            total.tokens.update(one.tokens)
-            total.finish.update(one.finish)
-            total.steps += one.steps
-        return total
 
     sched = create_scheduler(smollm_dir, tok, quantization="none", max_total_tokens=1024,
                              speculative_algorithm="NGRAM", speculative_adaptive=False)
-    speculator, sched.speculator = sched.speculator, None
-    off = run(sched)
-    sched.speculator = speculator
-    assert sched.flush_cache()
-    chains.clear()
-    on = run(sched)
+    off, on = one_after_another(sched, reqs, before_on=chains.clear)
     assert on.tokens == off.tokens
     for rid, ids in on.tokens.items():
         assert on.finish[rid]["type"] == "stop"
@@ -273,7 +259,7 @@ def test_jump_forward_tokens_run_with_a_draft_after_them_on_the_default_model(sm
     assert sched.flush_cache()
     chains.clear()
     before = sched.get_info()
-    plain = run(sched)
+    plain = run_one_by_one(sched, reqs())
     assert plain.tokens == off.tokens
     assert any(pending > 1 for pending, _ in chains) and not any(n for _, n in chains)
     after = sched.get_info()
@@ -286,6 +272,29 @@ class RunResultLike:
 
     def __init__(self):
         self.tokens, self.finish, self.steps = {}, {}, 0
+
+
+def run_one_by_one(sched, reqs) -> RunResultLike:
+    """Run ``reqs`` one at a time (the later ones drafting from the earlier outputs)."""
+    total = RunResultLike()
+    for req in reqs:
+        one = run_to_completion(sched, [req])
+        total.tokens.update(one.tokens)
+        total.finish.update(one.finish)
+        total.steps += one.steps
+    return total
+
+
+def one_after_another(sched, reqs_fn, before_on=None) -> tuple[RunResultLike, RunResultLike]:
+    """`run_one_by_one` of ``reqs_fn()`` with speculation off, then on, the radix cache emptied
+    between; ``before_on`` is called just before the second run. Returns (off, on)."""
+    speculator, sched.speculator = sched.speculator, None
+    off = run_one_by_one(sched, reqs_fn())
+    sched.speculator = speculator
+    assert sched.flush_cache()
+    if before_on is not None:
+        before_on()
+    return off, run_one_by_one(sched, reqs_fn())
 
 
 def test_sampled_json_with_jump_forward_equals_speculation_off_on_the_default_model(smollm_dir, monkeypatch):
@@ -320,22 +329,13 @@ def test_sampled_json_with_jump_forward_equals_speculation_off_on_the_default_mo
 
     monkeypatch.setattr(scheduling, "rewind_draws", recording)
 
-    def run(sched):  # one seed after another: the later ones draft from the earlier outputs
-        total = RunResultLike()
-        for seed in range(1, 7):
-            one = run_to_completion(sched, [make_req(f"s{seed}", prompt, seed=seed, temperature=0.8,
-                                                     max_new_tokens=80, json_schema=json.dumps(schema))])
-            total.tokens.update(one.tokens)
-            total.finish.update(one.finish)
-        return total
+    def reqs():
+        return [make_req(f"s{seed}", prompt, seed=seed, temperature=0.8, max_new_tokens=80,
+                         json_schema=json.dumps(schema)) for seed in range(1, 7)]
 
     sched = create_scheduler(smollm_dir, tok, quantization="none", max_total_tokens=2048,
                              speculative_algorithm="NGRAM", speculative_adaptive=False)
-    speculator, sched.speculator = sched.speculator, None
-    off = run(sched)
-    sched.speculator = speculator
-    assert sched.flush_cache()
-    on = run(sched)
+    off, on = one_after_another(sched, reqs)
     assert any(rewound), "no verify step cut drawn tokens at a jump: the case is not tested"
     assert on.tokens == off.tokens
     for rid, ids in on.tokens.items():
