@@ -330,8 +330,8 @@ def test_sampled_json_with_jump_forward_equals_speculation_off_on_the_default_mo
     monkeypatch.setattr(scheduling, "rewind_draws", recording)
 
     def reqs():
-        return [make_req(f"s{seed}", prompt, seed=seed, temperature=0.8, max_new_tokens=80,
-                         json_schema=json.dumps(schema)) for seed in range(1, 7)]
+        return [make_req(f"s{seed}", prompt, seed=seed, temperature=0.8, max_new_tokens=60,
+                         json_schema=json.dumps(schema)) for seed in range(1, 5)]
 
     sched = create_scheduler(smollm_dir, tok, quantization="none", max_total_tokens=2048,
                              speculative_algorithm="NGRAM", speculative_adaptive=False)
