@@ -3,7 +3,8 @@
 In-process Engines on the same model (``speculative_algorithm=None``,
 ``"NGRAM"`` and ``"STANDALONE"``) stay loaded side by side; every (workload,
 batch size) cell runs ``--rounds`` times per engine, rotating which goes
-first, so the machine's drift falls on all. Greedy decoding throughout, so the
+first, so the machine's drift falls on all. Greedy decoding by default; with
+``--temperature`` the requests sample, each with its own seed. Either way the
 engines must produce the same tokens: the table says how many requests did.
 
 The STANDALONE draft is made in the run from the local weights (nothing is
@@ -167,7 +168,7 @@ def run_agent_cell(engine, sessions: list[Session], params: dict[str, Any]) -> d
     while calls:
         order = sorted(calls)
         prompts = [engine.apply_chat_template(list(calls[i].messages)) for i in order]
-        waves.append(run_cell(engine, prompts, [{**params, "max_new_tokens": calls[i].max_tokens,
+        waves.append(run_cell(engine, prompts, [{**seeded(params, i), "max_new_tokens": calls[i].max_tokens,
                                                  "stop": list(calls[i].stop)} for i in order]))
         for i, out_ids, text in zip(order, waves[-1]["output_ids"], waves[-1]["texts"]):
             ids[i] += out_ids
@@ -180,7 +181,8 @@ def run_agent_cell(engine, sessions: list[Session], params: dict[str, Any]) -> d
 
 def run_in_waves(engine, prompts: list[str], batch: int, params: dict[str, Any]) -> dict[str, Any]:
     """``prompts`` as consecutive batches of ``batch`` (a batch-1 cell of several prompts)."""
-    return join_cells([run_cell(engine, prompts[i : i + batch], params) for i in range(0, len(prompts), batch)])
+    return join_cells([run_cell(engine, prompts[i : i + batch], [seeded(params, j) for j in range(i, i + len(prompts[i : i + batch]))])
+                       for i in range(0, len(prompts), batch)])
 
 
 def join_cells(cells: list[dict[str, Any]]) -> dict[str, Any]:
@@ -244,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="what is compared with speculation off")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy; above: sampled, request i of a batch seeded --seed + i (outputs still "
+                         "equal to speculation off's)")
+    ap.add_argument("--seed", type=int, default=1000, help="the first request seed when --temperature > 0")
     ap.add_argument("--num-draft-tokens", type=int, default=6, help="NGRAM: speculative_num_draft_tokens")
     ap.add_argument("--num-steps", type=int, default=3, help="STANDALONE: speculative_num_steps")
     ap.add_argument("--draft-layers", type=int, default=4, help="STANDALONE: decoder layers kept in the draft")
@@ -275,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def bench(engines: dict[str, Any], args) -> list[dict[str, Any]]:
-    params = {"temperature": 0, "max_new_tokens": args.max_new_tokens}
+    params = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
+    if args.temperature > 0:
+        params["seed"] = args.seed
     warm, _ = workload_prompts(engines["off"], "copy", 2, seed=99)
     for e in engines.values():
         e.generate(warm, {**params, "max_new_tokens": 8})
@@ -305,6 +313,11 @@ def cell_runner(engine, workload: str, batch: int, params: dict[str, Any], args)
     return lambda e: run_in_waves(e, prompts, batch, {**params, **extra})
 
 
+def seeded(params: dict[str, Any], i: int) -> dict[str, Any]:
+    """Request ``i``'s parameters: its own seed (``params["seed"] + i``) when sampled."""
+    return {**params, "seed": params["seed"] + i} if "seed" in params else params
+
+
 def summarise(workload: str, batch: int, name: str, cells: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """One table row: method ``name`` against "off" on one cell."""
     def med(method: str, key: str) -> float:
@@ -325,7 +338,7 @@ def summarise(workload: str, batch: int, name: str, cells: dict[str, list[dict[s
 def markdown(rows: list[dict[str, Any]], args) -> str:
     head = ("| workload | batch | method | off tok/s | method tok/s | method/off | TPOT p50 off / method (ms) "
             "| TPOT p95 off / method (ms) | target forward steps off / method | draft model steps "
-            "| accept length | greedy identical |\n"
+            "| accept length | identical to off |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
@@ -334,7 +347,8 @@ def markdown(rows: list[dict[str, Any]], args) -> str:
             f"| {r['ratio']:.2f}x | {r['off_tpot_p50_ms']:.0f} / {r['tpot_p50_ms']:.0f} "
             f"| {r['off_tpot_p95_ms']:.0f} / {r['tpot_p95_ms']:.0f} | {r['off_steps']:.0f} / {r['steps']:.0f} "
             f"| {r['draft_steps']:.0f} | {r['accept_len']:.2f} | {r['identical']} |")
-    lines.append(f"\n{args.rounds} rounds per cell, median ratio of interleaved runs; dtype={args.dtype}, "
+    sampling = f"temperature {args.temperature}, seeds from {args.seed}" if args.temperature > 0 else "greedy"
+    lines.append(f"\n{args.rounds} rounds per cell, median ratio of interleaved runs; {sampling}; dtype={args.dtype}, "
                  f"quantization={args.quantization or 'default'}, max_new_tokens={args.max_new_tokens}, "
                  f"NGRAM speculative_num_draft_tokens={args.num_draft_tokens}, STANDALONE "
                  f"speculative_num_steps={args.num_steps} with the target's first {args.draft_layers} layers "

@@ -13,6 +13,7 @@ class FakeEngine:
 
     def __init__(self):
         self.batches: list[list[str]] = []
+        self.params: list[dict] = []
         self.info = {"num_decode_steps": 0, "num_extend_steps": 0, "spec_num_verify_steps": 0,
                      "spec_num_accepted_tokens": 0}
         self.tokenizer = self
@@ -28,8 +29,9 @@ class FakeEngine:
 
     def generate(self, prompts: list[str], params: dict | list[dict]) -> list[dict]:
         params = [params] * len(prompts) if isinstance(params, dict) else params
-        assert all(p["stop"] == ["Observation:"] and p["temperature"] == 0 for p in params)
+        assert all(p["stop"] == ["Observation:"] for p in params)
         self.batches.append(prompts)
+        self.params.extend(params)
         self.info["num_extend_steps"] += 1
         self.info["num_decode_steps"] += 3
         self.info["spec_num_accepted_tokens"] += 2
@@ -66,3 +68,15 @@ def test_a_small_batch_cell_runs_its_prompts_in_consecutive_batches():
     assert engine.batches == [["a", "b"], ["c", "d"], ["e"]]
     assert cell["output_ids"] == [[0], [0, 1], [0], [0, 1], [0]]
     assert cell["tokens"] == 7 and cell["steps"] == 12
+
+
+def test_sampled_cells_give_each_request_its_own_seed():
+    engine = FakeEngine()
+    bench_spec.run_in_waves(engine, ["a", "b", "c", "d", "e"], 2,
+                            {"temperature": 0.7, "seed": 100, "stop": ["Observation:"]})
+    assert [p["seed"] for p in engine.params] == [100, 101, 102, 103, 104]
+    args = argparse.Namespace(max_new_tokens=16, agent_system_len=40, agent_question_len=8, agent_steps=2)
+    engine = FakeEngine()
+    sessions = bench_spec.agent_sessions(engine, 2, seed=0, args=args)
+    bench_spec.run_agent_cell(engine, sessions, {"temperature": 0.7, "seed": 5})
+    assert [p["seed"] for p in engine.params] == [5, 6, 5, 6]  # session k's calls: seed 5 + k
