@@ -1,5 +1,6 @@
 """Tests of arborlm.runtime.sampling: parameter validation, penalties, filters, seeds."""
 
+import math
 import pickle
 
 import pytest
@@ -13,6 +14,7 @@ from arborlm.runtime.sampling import (
     compute_logprobs,
     filter_probs,
     make_generator,
+    sample_from_probs,
 )
 
 VOCAB = 32
@@ -462,3 +464,47 @@ def test_a_fully_masked_row_is_flagged_alone():
     out = Sampler()(logits, make_info([SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=0)]))
     assert out.invalid_rows == (0,)
     assert out.next_token_ids[1] == logits[1].argmax()
+
+
+def _chi_square_ok(counts: torch.Tensor, probs: torch.Tensor) -> bool:
+    """Pearson's test at p = 0.001 over bins expecting >= 5 draws (the rest pooled)."""
+    total = int(counts.sum())
+    expected = probs / probs.sum() * total
+    big = expected >= 5
+    stat = float(((counts[big] - expected[big]) ** 2 / expected[big]).sum())
+    rest_obs, rest_exp = float(counts[~big].sum()), float(expected[~big].sum())
+    dof = int(big.sum()) - 1
+    if rest_exp >= 5:
+        stat += (rest_obs - rest_exp) ** 2 / rest_exp
+        dof += 1
+    critical = dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3  # Wilson-Hilferty
+    return stat < critical
+
+
+@pytest.mark.parametrize("vocab", [600, 49152])  # 600: a last block of the two-level CDF padded
+def test_sample_from_probs_follows_the_distribution(vocab):
+    """Draws follow probs / probs.sum() (chi-square), never a zero-probability token (the
+    zeros sit at block edges and inside blocks), and each row's draw is the same alone and
+    in a batch (its own generator)."""
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.rand(vocab, generator=gen) ** 4
+    probs[::7] = 0.0
+    probs[255:257] = 0.0
+    probs[-1] = 0.0
+    probs[:40] *= 30  # most of the mass in the first block: its edges are sampled often
+    draws = 20000
+    tokens = sample_from_probs(probs.expand(draws, vocab), [make_generator(s) for s in range(draws)])
+    assert bool((probs[tokens] > 0).all())
+    assert _chi_square_ok(torch.bincount(tokens, minlength=vocab).double()[probs > 0], probs[probs > 0].double())
+    alone = [int(sample_from_probs(probs[None], [make_generator(s)])[0]) for s in range(50)]
+    assert alone == tokens[:50].tolist()
+
+
+def test_sample_from_probs_of_a_single_token_and_unnormalised_rows():
+    probs = torch.zeros(3, 1000)
+    probs[0, 999] = 1e-30  # the only token, at the very end
+    probs[1, 0] = 5.0
+    probs[2, 512] = 2.0
+    probs[2, 513] = 2.0
+    out = sample_from_probs(probs, [make_generator(s) for s in range(3)]).tolist()
+    assert out[0] == 999 and out[1] == 0 and out[2] in (512, 513)

@@ -22,7 +22,7 @@ the same temperature and top-k / top-p / min-p.
   token is then distributed exactly as ``p`` (the target's sampling distribution).
   The acceptance and the residual draw are coupled through one draw: row j draws
   ``t_j ~ p_j`` with the request's generator exactly as a plain decode step at
-  that position would (one `torch.multinomial` per emitted token), and ``d[j]`` is
+  that position would (`sample_from_probs`, one uniform per emitted token), and ``d[j]`` is
   accepted iff ``t_j == d[j]`` (probability ``p_j(d[j])``; given a rejection,
   ``t_j`` follows the residual). So the emitted tokens are the ones speculation off
   draws with the same seed, whatever was drafted: drafts depend on the batch (other
@@ -49,6 +49,7 @@ from arborlm.runtime.sampling import (
     invalid_logit_rows,
     make_generator,
     row_max,
+    sample_from_probs,
 )
 from arborlm.runtime.schedule_batch import Req
 
@@ -111,10 +112,10 @@ def rejection_sample(draft: list[int], probs: torch.Tensor, generator: torch.Gen
     ----------
     draft: the k draft tokens (a point-mass proposal each).
     probs: (k + 1, V) float32, the target's sampling probabilities per chain row
-        (unnormalised is fine, as for `torch.multinomial`), every row finite with a
+        (unnormalised is fine, as for `sample_from_probs`), every row finite with a
         positive sum: what the sampler of a plain decode step would draw from there.
-    generator: the request's generator; it advances by one `torch.multinomial` draw per
-        emitted token, as plain decode steps emitting them would.
+    generator: the request's generator; it advances by one draw per emitted token
+        (`sample_from_probs`), as plain decode steps emitting them would.
     states: when given, the generator's state after each draw is appended to it
         (`torch.Generator.get_state`, a few KB each).
 
@@ -126,7 +127,7 @@ def rejection_sample(draft: list[int], probs: torch.Tensor, generator: torch.Gen
     """
     out: list[int] = []
     for j in range(len(draft) + 1):
-        token_id = int(torch.multinomial(probs[j], 1, generator=generator)[0])
+        token_id = int(sample_from_probs(probs[j : j + 1], [generator])[0])
         out.append(token_id)
         if states is not None:
             states.append(generator.get_state())

@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 import torch
 
-from arborlm.runtime.sampling import SamplingBatchInfo, filter_probs, make_generator
+from arborlm.runtime.sampling import SamplingBatchInfo, filter_probs, make_generator, sample_from_probs
 from arborlm.runtime.schedule_batch import Req
 from arborlm.runtime.speculative.verify import DraftVerifier
 from arborlm.sampling_params import SamplingParams
@@ -129,12 +129,12 @@ def test_the_same_seed_gives_the_same_tokens_whatever_the_batch(target_logits):
 def plain_decode_draws(seed: int, logits: torch.Tensor, n: int, **sampling) -> list[int]:
     """The first ``n`` tokens a plain decode step would draw at rows 0.. of ``logits`` with this
     seed: the sampler's probabilities (temperature, filters; not renormalised, as it draws from
-    them), one `torch.multinomial` per step on the request's generator."""
+    them), one `sample_from_probs` draw per step on the request's generator."""
     params = SamplingParams(**sampling).normalized()
     info = SamplingBatchInfo.from_params([params] * logits.shape[0], [seed] * logits.shape[0], VOCAB)
     probs = filter_probs(torch.softmax(logits / info.temperatures, dim=-1), info)
     generator = make_generator(seed)
-    return [int(torch.multinomial(probs[j], 1, generator=generator)[0]) for j in range(n)]
+    return [int(sample_from_probs(probs[j : j + 1], [generator])[0]) for j in range(n)]
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9}], ids=["t1", "top_p"])
