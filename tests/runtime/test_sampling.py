@@ -508,3 +508,35 @@ def test_sample_from_probs_of_a_single_token_and_unnormalised_rows():
     probs[2, 513] = 2.0
     out = sample_from_probs(probs, [make_generator(s) for s in range(3)]).tolist()
     assert out[0] == 999 and out[1] == 0 and out[2] in (512, 513)
+
+
+@pytest.mark.parametrize("shape", ["peaked", "medium", "flat", "ties", "few_positive"])
+def test_filter_probs_candidates_equal_the_whole_sort(shape):
+    """The `topk` candidates path keeps exactly the tokens a stable sort of each whole row keeps:
+    rows whose kept prefix reaches past the first candidates (flat rows, a top-k above them, ties
+    at the edge) try more candidates or are sorted whole, the others are filtered among the
+    candidates. Rows no filter touches pass through unchanged (the whole sort's top-p of 1.0
+    dropped tail tokens where float32 cumulative sums passed the total)."""
+    from arborlm.runtime.sampling import FILTER_CANDIDATES, _filter_sorted
+
+    vocab = 16384
+    first = FILTER_CANDIDATES[0]
+    params = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.0, top_k=40),
+              SamplingParams(temperature=0.8, top_k=first + 44, top_p=0.95),
+              SamplingParams(temperature=1.0, min_p=0.05), SamplingParams(temperature=1.0, top_p=0.5, min_p=0.1),
+              SamplingParams(temperature=1.0, top_k=first, top_p=0.999),
+              SamplingParams(temperature=1.0, top_k=5000, top_p=0.99),
+              SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)]
+    active = 7
+    info = SamplingBatchInfo.from_params([p.normalized() for p in params], list(range(len(params))), vocab)
+    scale = {"peaked": 6.0, "medium": 1.0, "flat": 0.05, "ties": 3.0, "few_positive": 1.0}[shape]
+    for seed in range(5):
+        logits = torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(seed)) * scale
+        if shape == "ties":  # many equal values, some at the candidates' edge
+            logits = logits.round()
+        probs = torch.softmax(logits, dim=-1)
+        if shape == "few_positive":
+            probs[:, 100:] = 0.0
+        fast = filter_probs(probs, info)
+        assert torch.equal(fast[:active], _filter_sorted(probs, info)[:active]), f"seed {seed}"
+        assert torch.equal(fast[active:], probs[active:])
