@@ -250,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="0: greedy; above: sampled, request i of a batch seeded --seed + i (outputs still "
                          "equal to speculation off's)")
     ap.add_argument("--seed", type=int, default=1000, help="the first request seed when --temperature > 0")
+    ap.add_argument("--top-p", type=float, default=1.0, help="sampled requests' top_p")
     ap.add_argument("--num-draft-tokens", type=int, default=6, help="NGRAM: speculative_num_draft_tokens")
     ap.add_argument("--num-steps", type=int, default=3, help="STANDALONE: speculative_num_steps")
     ap.add_argument("--draft-layers", type=int, default=4, help="STANDALONE: decoder layers kept in the draft")
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
 def bench(engines: dict[str, Any], args) -> list[dict[str, Any]]:
     params = {"temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
     if args.temperature > 0:
-        params["seed"] = args.seed
+        params.update(seed=args.seed, top_p=args.top_p)
     warm, _ = workload_prompts(engines["off"], "copy", 2, seed=99)
     for e in engines.values():
         e.generate(warm, {**params, "max_new_tokens": 8})
@@ -347,7 +348,8 @@ def markdown(rows: list[dict[str, Any]], args) -> str:
             f"| {r['ratio']:.2f}x | {r['off_tpot_p50_ms']:.0f} / {r['tpot_p50_ms']:.0f} "
             f"| {r['off_tpot_p95_ms']:.0f} / {r['tpot_p95_ms']:.0f} | {r['off_steps']:.0f} / {r['steps']:.0f} "
             f"| {r['draft_steps']:.0f} | {r['accept_len']:.2f} | {r['identical']} |")
-    sampling = f"temperature {args.temperature}, seeds from {args.seed}" if args.temperature > 0 else "greedy"
+    sampling = (f"temperature {args.temperature}, top_p {args.top_p}, seeds from {args.seed}" if args.temperature > 0
+                else "greedy")
     lines.append(f"\n{args.rounds} rounds per cell, median ratio of interleaved runs; {sampling}; dtype={args.dtype}, "
                  f"quantization={args.quantization or 'default'}, max_new_tokens={args.max_new_tokens}, "
                  f"NGRAM speculative_num_draft_tokens={args.num_draft_tokens}, STANDALONE "
