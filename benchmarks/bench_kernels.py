@@ -41,7 +41,8 @@ from arborlm.constrained.base import allocate_vocab_mask, apply_vocab_mask  # no
 from arborlm.kernels import reference  # noqa: E402
 from arborlm.kernels.triton_decode import decode_attention  # noqa: E402
 from arborlm.kernels.triton_extend import extend_attention  # noqa: E402
-from arborlm.runtime.sampling import SamplingBatchInfo, filter_probs  # noqa: E402
+from arborlm.runtime.sampling import SamplingBatchInfo  # noqa: E402
+from arborlm.runtime.sampling_filters import filter_probs  # noqa: E402
 from arborlm.sampling_params import SamplingParams  # noqa: E402
 
 H200_BANDWIDTH = 4.8e12  # bytes/s (HBM3e)

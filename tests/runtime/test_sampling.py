@@ -12,10 +12,9 @@ from arborlm.runtime.sampling import (
     SamplingBatchInfo,
     SamplingParams,
     compute_logprobs,
-    filter_probs,
     make_generator,
-    sample_from_probs,
 )
+from arborlm.runtime.sampling_filters import filter_probs, sample_from_probs
 
 VOCAB = 32
 
@@ -517,7 +516,7 @@ def test_filter_probs_candidates_equal_the_whole_sort(shape):
     at the edge) try more candidates or are sorted whole, the others are filtered among the
     candidates. Rows no filter touches pass through unchanged (the whole sort's top-p of 1.0
     dropped tail tokens where float32 cumulative sums passed the total)."""
-    from arborlm.runtime.sampling import FILTER_CANDIDATES, _filter_sorted
+    from arborlm.runtime.sampling_filters import FILTER_CANDIDATES, _filter_sorted
 
     vocab = 16384
     first = FILTER_CANDIDATES[0]

@@ -45,12 +45,11 @@ from arborlm.runtime.sampling import (
     apply_min_new_tokens,
     apply_penalties,
     compute_logprobs,
-    filter_probs,
     invalid_logit_rows,
     make_generator,
     row_max,
-    sample_from_probs,
 )
+from arborlm.runtime.sampling_filters import sample_from_probs, sampling_probs
 from arborlm.runtime.schedule_batch import Req
 
 
@@ -322,12 +321,8 @@ class DraftVerifier:
         safe = logits.clone()
         if invalid:
             safe[list(invalid)] = 0.0
-        probs = torch.softmax(safe / info.temperatures, dim=-1)
-        if info.need_top_k or info.need_top_p or info.need_min_p:
-            probs = filter_probs(probs, info)
-        rows = info.sampled_rows
-        ok = (torch.isfinite(probs[rows]).all(dim=-1) & (probs[rows].sum(dim=-1) > 0)).tolist()
-        invalid.update(r for r, good in zip(rows, ok) if not good)
+        probs, unusable = sampling_probs(safe, info)
+        invalid.update(unusable)
         return probs
 
     @staticmethod

@@ -16,12 +16,8 @@ from collections import Counter
 import pytest
 import torch
 
-from arborlm.runtime.sampling import (
-    SamplingBatchInfo,
-    filter_probs,
-    make_generator,
-    sample_from_probs,
-)
+from arborlm.runtime.sampling import SamplingBatchInfo, make_generator
+from arborlm.runtime.sampling_filters import filter_probs, sample_from_probs
 from arborlm.runtime.schedule_batch import Req
 from arborlm.runtime.speculative.verify import DraftVerifier
 from arborlm.sampling_params import SamplingParams
