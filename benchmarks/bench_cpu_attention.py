@@ -46,8 +46,15 @@ def baseline_library(rev: str, workdir: Path):
     rel = cpu_ops.SOURCE.relative_to(REPO)
     source.write_text(subprocess.run(["git", "show", f"{rev}:{rel}"], cwd=REPO, check=True,
                                      capture_output=True, text=True).stdout)
+    headers = []
+    for header in cpu_ops.HEADERS:  # the headers it includes, where that revision had them
+        shown = subprocess.run(["git", "show", f"{rev}:{header.relative_to(REPO)}"], cwd=REPO, capture_output=True,
+                               text=True)
+        if shown.returncode == 0:
+            (workdir / header.name).write_text(shown.stdout)
+            headers.append(workdir / header.name)
     signatures = {name: (argtypes, cpu_ops._RESTYPES.get(name)) for name, argtypes in cpu_ops._SIGNATURES.items()}
-    path = cpu_ops.build_library(workdir, (source,))
+    path = cpu_ops.build_library(workdir, (source, *headers))
     return cpu_ops.open_library(path, "arborlm_abi_version", cpu_ops.ABI_VERSION, signatures)
 
 

@@ -61,6 +61,8 @@ from arborlm.kernels.cpu_attention import (  # noqa: F401  (KV_DTYPE_CODES: the 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+# Headers the sources include: they count in the library's key.
+HEADERS = (Path(__file__).parent / "csrc" / "fast_exp.h",)
 # -ffp-contract=off: no fused multiply-adds, so float32 results round as torch's ops do.
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC")
 ABI_VERSION = 5
@@ -124,10 +126,10 @@ def cpu_has_avx512f() -> bool:
 def library_path(
     cache_dir: Path, compiler: str, sources: tuple[Path, ...] | None = None, stem: str = "cpu_kernels"
 ) -> Path:
-    """Where the library built from the current sources (default `SOURCE`; headers
-    included), flags and CPU lives."""
+    """Where the library built from the current sources (default `SOURCE` and `HEADERS`;
+    headers included), flags and CPU lives."""
     key = hashlib.sha256()
-    parts = [src.read_bytes() for src in sources or (SOURCE,)]
+    parts = [src.read_bytes() for src in sources or (SOURCE, *HEADERS)]
     for part in (*parts, " ".join(CXX_FLAGS).encode(), compiler.encode(), _cpu_signature().encode()):
         key.update(part)
     return cache_dir / "kernels" / f"{stem}-{key.hexdigest()[:16]}.so"
@@ -146,7 +148,7 @@ def build_library(cache_dir: Path, sources: tuple[Path, ...] | None = None, stem
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise KernelBuildError("no C++ compiler (g++ or $CXX) on PATH")
-    sources = sources or (SOURCE,)
+    sources = sources or (SOURCE, *HEADERS)
     target = library_path(cache_dir, compiler, sources, stem)
     if target.exists():
         return target

@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = (_CSRC / "fused_decoder_layer.cpp", _CSRC / "cpu_kernels.cpp", _CSRC / "linear_bf16_avx512.cpp",
-           _CSRC / "quant_linear.cpp", _CSRC / "quant_layout.h")
+           _CSRC / "quant_linear.cpp", _CSRC / "quant_layout.h", _CSRC / "fast_exp.h")
 ABI_VERSION = 4
 # Weight kinds of `FusedLinear.kind` (see the source).
 KIND_BF16_AVX512, KIND_BF16_AMX, KIND_FLOAT32, KIND_QUANT = 0, 1, 2, 3

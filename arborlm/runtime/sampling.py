@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from arborlm.runtime.sampling_filters import sample_from_probs, sampling_probs
+from arborlm.runtime.sampling_filters import SampledRows, draw_uniforms
 from arborlm.sampling_params import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SamplingParams
 
 
@@ -495,7 +495,7 @@ class Sampler:
     def _sample(
         logits: torch.Tensor, info: SamplingBatchInfo, argmax: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, list[int]]:
-        """(B,) int64: argmax on greedy rows, a seeded draw (`sample_from_probs`) on the others; and the
+        """(B,) int64: argmax on greedy rows, a seeded draw (`SampledRows`) on the others; and the
         sampled rows whose probabilities were not finite (left at their argmax).
 
         argmax: ``logits.max(dim=-1).indices`` when the caller has it, else computed here.
@@ -504,12 +504,15 @@ class Sampler:
             argmax = row_max(logits)[1]
         if info.all_greedy:
             return argmax, []
-        probs, unusable = sampling_probs(logits, info)
-        next_token_ids = argmax.clone()
         # Each sampled row draws with its own request's generator, so a seed's draws do
         # not depend on the batch's composition.
-        good = [i for i in info.sampled_rows if i not in unusable]
+        rows = info.sampled_rows
+        uniforms = draw_uniforms([info.generators[i] for i in rows], logits.device)
+        tokens = SampledRows(logits, info).draw(rows, uniforms)
+        next_token_ids = argmax.clone()
+        good = [(r, t) for r, t in zip(rows, tokens) if t >= 0]
         if good:
-            index = torch.tensor(good, device=probs.device)
-            next_token_ids[index] = sample_from_probs(probs[index], [info.generators[i] for i in good])
-        return next_token_ids, unusable
+            index = torch.tensor([r for r, _ in good], device=logits.device)
+            next_token_ids[index] = torch.tensor([t for _, t in good], dtype=next_token_ids.dtype,
+                                                 device=logits.device)
+        return next_token_ids, [r for r, t in zip(rows, tokens) if t < 0]

@@ -16,7 +16,7 @@ import subprocess
 
 import pytest
 
-from arborlm.kernels import cpu_ops, fused_decoder_layer, linear_avx512, quant_ops
+from arborlm.kernels import cpu_ops, cpu_sampling, fused_decoder_layer, linear_avx512, quant_ops
 
 # gcc's names: AVX-512 + AMX + BF16 (Sapphire Rapids), AVX-512 without BF16 (Skylake-X),
 # AVX-512 with BF16 and VNNI but no AMX (Zen 4), AVX2 + FMA (Haswell), SSE2 only.
@@ -26,6 +26,7 @@ LIBRARIES = {
     "fused_decoder_layer": fused_decoder_layer.SOURCES,
     "linear_avx512": linear_avx512.SOURCES,
     "quant_kernels": quant_ops.SOURCES,
+    "sampling": cpu_sampling.SOURCES,
 }
 
 pytestmark = pytest.mark.skipif(

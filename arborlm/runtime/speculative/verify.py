@@ -22,7 +22,7 @@ the same temperature and top-k / top-p / min-p.
   token is then distributed exactly as ``p`` (the target's sampling distribution).
   The acceptance and the residual draw are coupled through one draw: row j draws
   ``t_j ~ p_j`` with the request's generator exactly as a plain decode step at
-  that position would (`sample_from_probs`, one uniform per emitted token), and ``d[j]`` is
+  that position would (`SampledRows`, one uniform per emitted token), and ``d[j]`` is
   accepted iff ``t_j == d[j]`` (probability ``p_j(d[j])``; given a rejection,
   ``t_j`` follows the residual). So the emitted tokens are the ones speculation off
   draws with the same seed, whatever was drafted: drafts depend on the batch (other
@@ -49,7 +49,7 @@ from arborlm.runtime.sampling import (
     make_generator,
     row_max,
 )
-from arborlm.runtime.sampling_filters import sample_from_probs, sampling_probs
+from arborlm.runtime.sampling_filters import SampledRows, draw_uniforms
 from arborlm.runtime.schedule_batch import Req
 
 
@@ -103,18 +103,18 @@ def accept_greedy(draft: list[int], targets: list[int], first_invalid: int | Non
     return emitted
 
 
-def rejection_sample(draft: list[int], probs: torch.Tensor, generator: torch.Generator,
+def rejection_sample(draft: list[int], draw: Callable[[int, torch.Tensor], int], generator: torch.Generator,
                      states: list[torch.Tensor] | None = None) -> list[int]:
     """Tokens emitted for one sampled request (see the module docstring).
 
     Parameters
     ----------
     draft: the k draft tokens (a point-mass proposal each).
-    probs: (k + 1, V) float32, the target's sampling probabilities per chain row
-        (unnormalised is fine, as for `sample_from_probs`), every row finite with a
-        positive sum: what the sampler of a plain decode step would draw from there.
-    generator: the request's generator; it advances by one draw per emitted token
-        (`sample_from_probs`), as plain decode steps emitting them would.
+    draw: ``draw(j, u)``, the token chain row j (0..k) takes for the uniform ``u`` ((1,)
+        float64), or -1 where that row cannot be drawn from: what the sampler of a plain
+        decode step would draw there (`SampledRows.draw`).
+    generator: the request's generator; it advances by one uniform per row drawn
+        (`draw_uniforms`), as plain decode steps emitting those tokens would.
     states: when given, the generator's state after each draw is appended to it
         (`torch.Generator.get_state`, a few KB each).
 
@@ -122,11 +122,14 @@ def rejection_sample(draft: list[int], probs: torch.Tensor, generator: torch.Gen
     -------
     list[int]
         The accepted draft tokens, then the first draw that differs from its draft token
-        (a rejection) or the draw after the last one (all accepted): 1 to k + 1 tokens.
+        (a rejection) or the draw after the last one (all accepted): 1 to k + 1 tokens;
+        fewer (none at all) when a row cannot be drawn from, ending before it.
     """
     out: list[int] = []
     for j in range(len(draft) + 1):
-        token_id = int(sample_from_probs(probs[j : j + 1], [generator])[0])
+        token_id = draw(j, draw_uniforms([generator]))
+        if token_id < 0:
+            break
         out.append(token_id)
         if states is not None:
             states.append(generator.get_state())
@@ -182,7 +185,7 @@ class DraftVerifier:
             self._check_greedy_targets(reqs, drafts, lazy, logits, maxima, argmax_ids)
         invalid = set(invalid_logit_rows(logits, maxima))
         argmax = argmax_ids.tolist()
-        probs = self._sampling_probs(logits, info, invalid)
+        sampled = None if info.all_greedy else SampledRows(self._finite_rows(logits, invalid), info)
         emitted_ids: list[int] = []
         emitted_rows: list[int] = []
         accept_lens: list[int] = []
@@ -202,7 +205,11 @@ class DraftVerifier:
             else:
                 usable = bad[0] if bad else len(d) + 1  # rows before the first invalid one
                 states = [] if req.grammar is not None else None
-                tokens = rejection_sample(d[: usable - 1], probs[offset : offset + usable], req.generator, states)
+                tokens = rejection_sample(d[: usable - 1], lambda j, u, first=offset: sampled.draw([first + j], u)[0],
+                                          req.generator, states)
+                if not tokens:  # its first row cannot be drawn from
+                    invalid_reqs.append(i)
+                    tokens = [argmax[offset]]  # meaningless: the scheduler aborts the request
             draw_states.append(states)
             emitted_ids.extend(tokens)
             emitted_rows.extend(range(offset, offset + len(tokens)))
@@ -313,17 +320,14 @@ class DraftVerifier:
         return logits
 
     @staticmethod
-    def _sampling_probs(logits: torch.Tensor, info: SamplingBatchInfo, invalid: set[int]) -> torch.Tensor | None:
-        """(rows, V) the probabilities sampled rows draw from (temperature, top-k/p, min-p);
-        None when every row is greedy. Rows with non-finite probabilities join `invalid`."""
-        if info.all_greedy:
-            return None
+    def _finite_rows(logits: torch.Tensor, invalid: set[int]) -> torch.Tensor:
+        """``logits`` with the `invalid` rows zeroed (on a copy when there are any), so that no
+        row's sampling sees another's NaN or inf."""
+        if not invalid:
+            return logits
         safe = logits.clone()
-        if invalid:
-            safe[list(invalid)] = 0.0
-        probs, unusable = sampling_probs(safe, info)
-        invalid.update(unusable)
-        return probs
+        safe[list(invalid)] = 0.0
+        return safe
 
     @staticmethod
     def _logprobs(row_reqs: list[Req], logits: torch.Tensor, rows: list[int], token_ids: list[int]):

@@ -16,8 +16,8 @@ from collections import Counter
 import pytest
 import torch
 
-from arborlm.runtime.sampling import SamplingBatchInfo, make_generator
-from arborlm.runtime.sampling_filters import filter_probs, sample_from_probs
+from arborlm.runtime.sampling import Sampler, SamplingBatchInfo, make_generator
+from arborlm.runtime.sampling_filters import filter_probs
 from arborlm.runtime.schedule_batch import Req
 from arborlm.runtime.speculative.verify import DraftVerifier
 from arborlm.sampling_params import SamplingParams
@@ -128,14 +128,15 @@ def test_the_same_seed_gives_the_same_tokens_whatever_the_batch(target_logits):
 
 
 def plain_decode_draws(seed: int, logits: torch.Tensor, n: int, **sampling) -> list[int]:
-    """The first ``n`` tokens a plain decode step would draw at rows 0.. of ``logits`` with this
-    seed: the sampler's probabilities (temperature, filters; not renormalised, as it draws from
-    them), one `sample_from_probs` draw per step on the request's generator."""
+    """The first ``n`` tokens plain decode steps would draw at rows 0.. of ``logits`` with this
+    seed: the decode step's `Sampler`, one row a step, on the request's generator."""
     params = SamplingParams(**sampling).normalized()
-    info = SamplingBatchInfo.from_params([params] * logits.shape[0], [seed] * logits.shape[0], VOCAB)
-    probs = filter_probs(torch.softmax(logits / info.temperatures, dim=-1), info)
     generator = make_generator(seed)
-    return [int(sample_from_probs(probs[j : j + 1], [generator])[0]) for j in range(n)]
+    out = []
+    for j in range(n):
+        info = SamplingBatchInfo.from_params([params], [seed], VOCAB, generators=[generator])
+        out.append(int(Sampler()(logits[j : j + 1].clone(), info, return_logprob=False).next_token_ids[0]))
+    return out
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9}], ids=["t1", "top_p"])

@@ -1,0 +1,90 @@
+"""The sampled rows of a decode step: the native CPU sampler against the torch ops, in one run.
+
+Times `SampledRows(...).draw` (temperature, softmax, top-k / top-p / min-p and the
+seeded inverse-CDF draw) with ``native=True`` (`kernels/cpu_sampling.py`, one pass per
+row) and ``native=False`` (`sampling_probs` then `draw_from_probs`), alternating block by
+block so this machine's drift falls on both, on rows of SmolLM2's vocabulary (49152):
+``peaked`` rows (a few tokens far above the rest, as most of a chat model's steps) and
+``flat`` ones (plain normal logits: top-p keeps thousands of tokens). Both must draw the
+same tokens for the same uniforms; the table says whether they did.
+
+    flock /tmp/arborlm-timing.lock .venv/bin/python benchmarks/bench_sampling.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from arborlm.runtime.sampling import SamplingBatchInfo  # noqa: E402
+from arborlm.runtime.sampling_filters import SampledRows  # noqa: E402
+from arborlm.sampling_params import SamplingParams  # noqa: E402
+
+SETTINGS = {
+    "T 0.7, top_p 0.9": {"temperature": 0.7, "top_p": 0.9},
+    "T 1.0, top_p 0.95, top_k 50": {"temperature": 1.0, "top_p": 0.95, "top_k": 50},
+    "T 0.8, min_p 0.05": {"temperature": 0.8, "min_p": 0.05},
+    "T 1.0": {"temperature": 1.0},
+}
+
+
+def make_rows(kind: str, batch: int, vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, vocab, generator=g) * (3.0 if kind == "peaked" else 1.0)
+    if kind == "peaked":
+        logits[:, torch.randint(0, vocab, (50,), generator=g)] += 8.0
+    return logits
+
+
+def draw_call(logits, info, rows, u, native: bool):
+    """One step's draw of every row, on the native sampler or the torch ops."""
+    return lambda: SampledRows(logits, info, native=native).draw(rows, u)
+
+
+def time_block(fn, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--rounds", type=int, default=5, help="alternating blocks per path")
+    ap.add_argument("--calls", type=int, default=5, help="calls per block")
+    args = ap.parse_args(argv)
+    print(f"{torch.get_num_threads()} threads, vocabulary {args.vocab}, median of {args.rounds} blocks of "
+          f"{args.calls} calls per path", flush=True)
+    print("| sampling | rows | batch | torch ops (ms) | native (ms) | torch / native | same tokens |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for name, sampling in SETTINGS.items():
+        for kind in ("peaked", "flat"):
+            for batch in (int(b) for b in args.batch_sizes.split(",")):
+                logits = make_rows(kind, batch, args.vocab, seed=batch)
+                params = [SamplingParams(**sampling)] * batch
+                info = SamplingBatchInfo.from_params(params, list(range(batch)), args.vocab)
+                rows = list(range(batch))
+                u = torch.rand(batch, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+                paths = {native: draw_call(logits, info, rows, u, native) for native in (False, True)}
+                same = paths[False]() == paths[True]()
+                times: dict[bool, list[float]] = {False: [], True: []}
+                for r in range(args.rounds):
+                    for native in ((False, True) if r % 2 == 0 else (True, False)):
+                        times[native].append(time_block(paths[native], args.calls))
+                slow, fast = statistics.median(times[False]), statistics.median(times[True])
+                print(f"| {name} | {kind} | {batch} | {slow:.2f} | {fast:.3f} | {slow / fast:.1f}x | "
+                      f"{'yes' if same else 'NO'} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,197 @@
+"""The native CPU sampler (`kernels/cpu_sampling.py`, `csrc/sampling.cpp`) against its oracle,
+the torch path (`sampling_probs` then `draw_from_probs`), on the same uniforms.
+
+Both builds run: the AVX-512 passes where this CPU has them, and the plain C++ ones
+(``-mno-avx512f``). A token must be the torch path's for the same uniform (they differ only
+where rounding moves a boundary of the cumulative probabilities, which these rows and
+uniforms do not hit), a token the filters or a mask remove must never come, a row's token
+must not depend on the other rows, and the draws must follow the distribution.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+from collections import Counter
+
+import pytest
+import torch
+
+from arborlm.kernels import cpu_ops, cpu_sampling
+from arborlm.runtime.sampling import Sampler, SamplingBatchInfo, make_generator
+from arborlm.runtime.sampling_filters import SampledRows, draw_from_probs, sampling_probs
+from arborlm.sampling_params import SamplingParams
+
+BUILDS = {"native": (), "scalar": ("-mno-avx512f",)}
+VOCAB = 49152  # SmolLM2's; a multiple of 16
+ODD_VOCAB = 1003  # ends in a partial vector and a partial block of 256
+
+# (temperature, top_p, top_k, min_p); top_k -1: none
+SETTINGS = [
+    (1.0, 1.0, -1, 0.0),
+    (0.7, 0.9, -1, 0.0),
+    (1.0, 0.95, -1, 0.0),
+    (0.5, 0.5, -1, 0.0),
+    (1.0, 1.0, 40, 0.0),
+    (1.3, 1.0, 2, 0.0),
+    (0.8, 1.0, -1, 0.05),
+    (1.0, 0.95, 50, 0.01),
+    (1.0, 0.99, 20000, 0.0),
+]
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def lib(request, compiler, tmp_path_factory):
+    """The sampler library, built once per module for each entry of `BUILDS`."""
+    if BUILDS[request.param] and platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip(f"the {request.param} build passes x86-only flags; this machine is {platform.machine()}")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cpu_ops, "CXX_FLAGS", cpu_ops.CXX_FLAGS + BUILDS[request.param])
+        return cpu_sampling.load_library(tmp_path_factory.mktemp(f"sampling-{request.param}"))
+
+
+def batch_info(settings: list[tuple[float, float, int, float]], vocab: int) -> SamplingBatchInfo:
+    params = [SamplingParams(temperature=t, top_p=p, top_k=k, min_p=m) for t, p, k, m in settings]
+    return SamplingBatchInfo.from_params(params, list(range(len(params))), vocab)
+
+
+def native_draw(lib, logits: torch.Tensor, info: SamplingBatchInfo, uniforms: torch.Tensor,
+                rows: list[int] | None = None) -> list[int]:
+    rows = list(range(logits.shape[0])) if rows is None else rows
+    index = torch.tensor(rows)
+    return cpu_sampling.sample_rows(lib, logits, index, info.temperatures.view(-1)[index], info.top_ks[index],
+                                    info.top_ps[index], info.min_ps[index], uniforms).tolist()
+
+
+def torch_draw(logits: torch.Tensor, info: SamplingBatchInfo, uniforms: torch.Tensor) -> list[int]:
+    probs, unusable = sampling_probs(logits, info)
+    assert not unusable
+    return draw_from_probs(probs, uniforms).tolist()
+
+
+def kinds_of_rows(vocab: int, n: int, seed: int) -> torch.Tensor:
+    """(n, vocab) logits: peaked (a few tokens far above the rest), flat (plain normal), spread
+    (normal times 3), a row with ties among its largest, and a row masked to a few tokens (the
+    rest -inf, as a grammar masks)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        kind = i % 5
+        x = torch.randn(vocab, generator=g) * (3.0 if kind == 2 else 1.0)
+        if kind == 0:
+            x[torch.randint(0, vocab, (30,), generator=g)] += 8.0
+        if kind == 3:
+            x[torch.randint(0, vocab, (12,), generator=g)] = x.max() + 1.0  # equal largest values
+        if kind == 4:
+            keep = torch.randint(0, vocab, (7,), generator=g)
+            masked = torch.full((vocab,), -math.inf)
+            masked[keep] = x[keep]
+            x = masked
+        rows.append(x)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, ODD_VOCAB])
+def test_tokens_are_the_torch_paths_for_the_same_uniforms(lib, vocab):
+    mismatches, total = [], 0
+    for seed in range(6):
+        logits = kinds_of_rows(vocab, 10, seed)
+        for setting in SETTINGS:
+            info = batch_info([setting] * logits.shape[0], vocab)
+            u = torch.rand(logits.shape[0], dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+            got, want = native_draw(lib, logits, info, u), torch_draw(logits, info, u)
+            total += len(got)
+            mismatches += [(seed, setting, r, g, w) for r, (g, w) in enumerate(zip(got, want)) if g != w]
+    assert not mismatches, f"{len(mismatches)} of {total} differ: {mismatches[:5]}"
+
+
+@pytest.mark.parametrize("setting", SETTINGS[1:], ids=lambda s: f"T{s[0]}-p{s[1]}-k{s[2]}-m{s[3]}")
+def test_only_kept_tokens_come_even_at_the_ends_of_the_uniforms(lib, setting):
+    """Over a grid of uniforms (0 and just below 1 included) every token is one the filters (and
+    the -inf mask) keep, and on rows that keep few tokens every kept token comes."""
+    logits = kinds_of_rows(ODD_VOCAB, 10, seed=7)
+    info = batch_info([setting] * logits.shape[0], ODD_VOCAB)
+    probs, _ = sampling_probs(logits, info)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    grid = [0.0, 1e-12, 0.5, 1.0 - 2**-53] + [(i + 0.5) / 400 for i in range(400)]
+    for r in range(logits.shape[0]):
+        kept = set((probs[r] > 0).nonzero().view(-1).tolist())
+        drawn = {native_draw(lib, logits, info, torch.tensor([u], dtype=torch.float64), [r])[0] for u in grid}
+        assert drawn <= kept, f"row {r}: {sorted(drawn - kept)[:5]} not kept"
+        likely = set((probs[r] > 2 / 400).nonzero().view(-1).tolist())  # wider than a grid step
+        assert likely <= drawn, f"row {r}: {sorted(likely - drawn)[:5]} never drawn"
+
+
+def test_top_k_1_is_the_first_largest(lib):
+    logits = kinds_of_rows(VOCAB, 10, seed=3)
+    info = batch_info([(1.3, 1.0, 1, 0.0)] * 10, VOCAB)
+    u = torch.rand(10, dtype=torch.float64)
+    assert native_draw(lib, logits, info, u) == logits.argmax(dim=-1).tolist()  # ties: the lowest id, as argmax
+
+
+def test_a_row_does_not_depend_on_the_other_rows(lib):
+    logits = kinds_of_rows(VOCAB, 10, seed=11)
+    settings = [SETTINGS[i % len(SETTINGS)] for i in range(10)]
+    info = batch_info(settings, VOCAB)
+    u = torch.rand(10, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    together = native_draw(lib, logits, info, u)
+    for r in range(10):
+        alone_info = batch_info([settings[r]], VOCAB)
+        assert native_draw(lib, logits[r : r + 1].clone(), alone_info, u[r : r + 1]) == [together[r]]
+    assert native_draw(lib, logits, info, u.flip(0), list(range(9, -1, -1))) == together[::-1]
+
+
+def test_rows_that_cannot_be_drawn_from_get_minus_one_and_spare_the_others(lib):
+    logits = kinds_of_rows(VOCAB, 5, seed=2)
+    logits[1, 17] = math.nan
+    logits[2, 3] = math.inf
+    logits[3] = -math.inf
+    info = batch_info([SETTINGS[1]] * 5, VOCAB)
+    u = torch.full((5,), 0.3, dtype=torch.float64)
+    got = native_draw(lib, logits, info, u)
+    assert got[1:4] == [-1, -1, -1]
+    assert got[0] == native_draw(lib, logits[:1].clone(), batch_info([SETTINGS[1]], VOCAB), u[:1])[0] >= 0
+    assert got[4] >= 0
+
+
+def test_bad_arguments_raise(lib):
+    info = batch_info([SETTINGS[0]], 8)
+    with pytest.raises(ValueError, match="float32"):
+        native_draw(lib, torch.zeros(1, 8, dtype=torch.float64), info, torch.zeros(1, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("setting", [(1.0, 1.0, -1, 0.0), (0.7, 0.8, -1, 0.0), (1.2, 1.0, 5, 0.0),
+                                     (1.0, 1.0, -1, 0.2)], ids=["plain", "top_p", "top_k", "min_p"])
+def test_draws_follow_the_distribution(lib, setting):
+    """Chi-square (p = 0.001) of 20000 seeded draws against the filtered distribution of one
+    row of 300 tokens; a token of probability 0 is never drawn."""
+    g = torch.Generator().manual_seed(1)
+    logits = (torch.randn(1, 300, generator=g) * 2.0).repeat(20000, 1)
+    info = batch_info([setting] * 20000, 300)
+    probs, _ = sampling_probs(logits[:1], batch_info([setting], 300))
+    probs = (probs[0] / probs[0].sum()).double()
+    u = torch.rand(20000, dtype=torch.float64, generator=g)
+    counts = Counter(native_draw(lib, logits, info, u))
+    assert all(probs[t] > 0 for t in counts)
+    stat, dof = 0.0, -1
+    for t, p in enumerate(probs.tolist()):
+        if p * 20000 >= 5:
+            stat += (counts.get(t, 0) - p * 20000) ** 2 / (p * 20000)
+            dof += 1
+    critical = dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3
+    assert stat < critical, f"chi2 {stat:.1f} >= {critical:.1f}"
+
+
+def test_the_sampler_gives_the_torch_paths_tokens_for_the_same_seeds():
+    """`Sampler` (native where it builds) against `SampledRows(native=False)`: the same seeds
+    draw the same tokens on the default model's vocabulary size."""
+    logits = kinds_of_rows(VOCAB, 10, seed=21)
+    settings = [SETTINGS[i % len(SETTINGS)] for i in range(10)]
+    params = [SamplingParams(temperature=t, top_p=p, top_k=k, min_p=m) for t, p, k, m in settings]
+    for seed in range(3):
+        info = SamplingBatchInfo.from_params(params, [seed * 10 + i for i in range(10)], VOCAB)
+        got = Sampler()(logits, info, return_logprob=False).next_token_ids.tolist()
+        generators = [make_generator(seed * 10 + i) for i in range(10)]
+        u = torch.cat([torch.rand(1, generator=gen, dtype=torch.float64) for gen in generators])
+        want = SampledRows(logits, info, native=False).draw(list(range(10)), u)
+        assert got == want
