@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import torch
 
+from arborlm.kernels import cpu_sampling
 from arborlm.runtime.sampling_filters import SampledRows, draw_uniforms
 from arborlm.sampling_params import MAX_REPETITION_PENALTY, MIN_REPETITION_PENALTY, SamplingParams
 
@@ -292,6 +293,7 @@ def apply_penalties(
     info: SamplingBatchInfo,
     output_ids_list: list[list[int]],
     prompt_ids_list: list[list[int]] | None = None,
+    native: bool = True,
 ) -> None:
     """Apply repetition, frequency and presence penalties to ``logits`` (B, V) in place.
 
@@ -299,7 +301,20 @@ def apply_penalties(
     and output tokens: positive logits divided by the penalty, negative ones
     multiplied); frequency and presence as OpenAI's API (over output tokens:
     ``logit -= frequency * count + presence * (count > 0)``).
+
+    On the CPU, where the native sampler builds, only the seen tokens' logits are touched
+    (`cpu_sampling.apply_penalties`, the same bits); the torch ops below build (B, V) counts
+    (elsewhere, or with ``native=False``).
     """
+    usable = native and logits.is_cpu and logits.dtype == torch.float32 and logits.stride(-1) == 1
+    lib = cpu_sampling.native_library() if usable else None
+    if lib is not None:
+        both = info.need_frequency_presence_penalty
+        cpu_sampling.apply_penalties(
+            lib, logits, output_ids_list, prompt_ids_list if info.need_repetition_penalty else None,
+            info.repetition_penalties if info.need_repetition_penalty else None,
+            info.frequency_penalties if both else None, info.presence_penalties if both else None)
+        return
     vocab_size = logits.shape[-1]
     output_counts = _token_counts(output_ids_list, vocab_size, logits.device)
     if info.need_repetition_penalty:

@@ -195,3 +195,33 @@ def test_the_sampler_gives_the_torch_paths_tokens_for_the_same_seeds():
         u = torch.cat([torch.rand(1, generator=gen, dtype=torch.float64) for gen in generators])
         want = SampledRows(logits, info, native=False).draw(list(range(10)), u)
         assert got == want
+
+
+@pytest.mark.parametrize("penalties", [
+    {"repetition_penalty": 1.3},
+    {"frequency_penalty": 0.7, "presence_penalty": -0.4},
+    {"repetition_penalty": 0.8, "frequency_penalty": -1.5, "presence_penalty": 1.1},
+], ids=["repetition", "frequency-presence", "all"])
+def test_penalties_are_the_torch_paths_bits(lib, penalties, monkeypatch):
+    """`apply_penalties` on the native library against its torch path: the same bits, with
+    repeated ids, ids out of the vocabulary, empty rows, rows without the penalty, and
+    -inf / NaN logits (a masked token, a poisoned row)."""
+    from arborlm.runtime import sampling
+
+    monkeypatch.setattr(cpu_sampling, "native_library", lambda: lib)
+    vocab, batch = ODD_VOCAB, 6
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(batch, vocab, generator=g) * 4
+    logits[0, :50] = -math.inf
+    logits[5, 7] = math.nan
+    outputs = [torch.randint(0, 60, (n,), generator=g).tolist() for n in (40, 0, 7, 300, 1, 12)]
+    outputs[2] += [vocab, vocab + 5, -3, 2**40]  # out of the vocabulary: ignored
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (0, 90, 15, 400, 3, 30)]
+    params = [SamplingParams(temperature=0.7, **(penalties if i != 4 else {})) for i in range(batch)]
+    info = SamplingBatchInfo.from_params(params, list(range(batch)), vocab)
+    want, got = logits.clone(), logits.clone()
+    sampling.apply_penalties(want, info, outputs, prompts, native=False)
+    sampling.apply_penalties(got, info, outputs, prompts)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert not torch.equal(got.nan_to_num(), logits.nan_to_num())  # something was penalised
