@@ -1,12 +1,15 @@
 """The sampled rows of a decode step: the native CPU sampler against the torch ops, in one run.
 
-Times `SampledRows(...).draw` (temperature, softmax, top-k / top-p / min-p and the
+Two tables. Draws: `SampledRows(...).draw` (temperature, softmax, top-k / top-p / min-p and the
 seeded inverse-CDF draw) with ``native=True`` (`kernels/cpu_sampling.py`, one pass per
 row) and ``native=False`` (`sampling_probs` then `draw_from_probs`), alternating block by
 block so this machine's drift falls on both, on rows of SmolLM2's vocabulary (49152):
 ``peaked`` rows (a few tokens far above the rest, as most of a chat model's steps) and
 ``flat`` ones (plain normal logits: top-p keeps thousands of tokens). Both must draw the
-same tokens for the same uniforms; the table says whether they did.
+same tokens for the same uniforms; the table says whether they did. Penalties:
+`apply_penalties` with ``native=True`` (the seen tokens only) and ``native=False`` ((B, V)
+counts and masks) on rows whose requests have ``--prompt-len`` prompt and ``--output-len``
+output tokens; both must give the same bits.
 
     flock /tmp/arborlm-timing.lock .venv/bin/python benchmarks/bench_sampling.py
 """
@@ -23,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from arborlm.runtime.sampling import SamplingBatchInfo  # noqa: E402
+from arborlm.runtime.sampling import SamplingBatchInfo, apply_penalties  # noqa: E402
 from arborlm.runtime.sampling_filters import SampledRows  # noqa: E402
 from arborlm.sampling_params import SamplingParams  # noqa: E402
 
@@ -43,9 +46,33 @@ def make_rows(kind: str, batch: int, vocab: int, seed: int) -> torch.Tensor:
     return logits
 
 
+PENALTIES = {
+    "repetition_penalty 1.1": {"repetition_penalty": 1.1},
+    "frequency 0.5, presence 0.3": {"frequency_penalty": 0.5, "presence_penalty": 0.3},
+}
+
+
 def draw_call(logits, info, rows, u, native: bool):
     """One step's draw of every row, on the native sampler or the torch ops."""
     return lambda: SampledRows(logits, info, native=native).draw(rows, u)
+
+
+def penalty_call(logits, info, outputs, prompts, native: bool):
+    """One step's penalties of every row (on a copy of the logits), native or torch; returns the copy."""
+    def call():
+        out = logits.clone()
+        apply_penalties(out, info, outputs, prompts, native=native)
+        return out
+    return call
+
+
+def alternate(paths, rounds: int, calls: int) -> tuple[float, float]:
+    """Median ms per call of paths[False] and paths[True], alternating block by block."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(rounds):
+        for native in ((False, True) if r % 2 == 0 else (True, False)):
+            times[native].append(time_block(paths[native], calls))
+    return statistics.median(times[False]), statistics.median(times[True])
 
 
 def time_block(fn, calls: int) -> float:
@@ -61,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--rounds", type=int, default=5, help="alternating blocks per path")
     ap.add_argument("--calls", type=int, default=5, help="calls per block")
+    ap.add_argument("--prompt-len", type=int, default=800, help="penalties: prompt tokens a row")
+    ap.add_argument("--output-len", type=int, default=200, help="penalties: output tokens a row")
     args = ap.parse_args(argv)
     print(f"{torch.get_num_threads()} threads, vocabulary {args.vocab}, median of {args.rounds} blocks of "
           f"{args.calls} calls per path", flush=True)
@@ -76,13 +105,25 @@ def main(argv: list[str] | None = None) -> int:
                 u = torch.rand(batch, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
                 paths = {native: draw_call(logits, info, rows, u, native) for native in (False, True)}
                 same = paths[False]() == paths[True]()
-                times: dict[bool, list[float]] = {False: [], True: []}
-                for r in range(args.rounds):
-                    for native in ((False, True) if r % 2 == 0 else (True, False)):
-                        times[native].append(time_block(paths[native], args.calls))
-                slow, fast = statistics.median(times[False]), statistics.median(times[True])
+                slow, fast = alternate(paths, args.rounds, args.calls)
                 print(f"| {name} | {kind} | {batch} | {slow:.2f} | {fast:.3f} | {slow / fast:.1f}x | "
                       f"{'yes' if same else 'NO'} |", flush=True)
+    print(f"\n| penalties ({args.prompt_len} prompt + {args.output_len} output tokens a row) | batch | "
+          "torch ops (ms) | native (ms) | torch / native | same bits |")
+    print("|---|---:|---:|---:|---:|---|")
+    for name, penalties in PENALTIES.items():
+        for batch in (int(b) for b in args.batch_sizes.split(",")):
+            g = torch.Generator().manual_seed(batch)
+            logits = make_rows("peaked", batch, args.vocab, seed=batch)
+            outputs = [torch.randint(0, args.vocab, (args.output_len,), generator=g).tolist() for _ in range(batch)]
+            prompts = [torch.randint(0, args.vocab, (args.prompt_len,), generator=g).tolist() for _ in range(batch)]
+            params = [SamplingParams(temperature=0.7, **penalties)] * batch
+            info = SamplingBatchInfo.from_params(params, list(range(batch)), args.vocab)
+            paths = {native: penalty_call(logits, info, outputs, prompts, native) for native in (False, True)}
+            same = torch.equal(paths[False](), paths[True]())
+            slow, fast = alternate(paths, args.rounds, args.calls)
+            print(f"| {name} | {batch} | {slow:.2f} | {fast:.3f} | {slow / fast:.1f}x | {'yes' if same else 'NO'} |",
+                  flush=True)
     return 0
 
 
