@@ -46,6 +46,9 @@ SAMPLING_EPS = 1e-5
 # near 0 overflow to inf. Requests may ask for any positive value; the docs say it is clamped.
 MIN_REPETITION_PENALTY = 1e-2
 MAX_REPETITION_PENALTY = 1e2
+# The largest float32: the sampler divides float32 logits by the temperature, and one that
+# rounds to inf there turns a masked (-inf) logit into NaN (-inf / inf).
+MAX_FLOAT32 = 3.4028234663852886e38
 
 _INT_FIELDS = ("max_new_tokens", "top_k", "min_new_tokens", "n")
 _FLOAT_FIELDS = (
@@ -220,7 +223,7 @@ class SamplingParams:
         self._verify_constraint()
         checks = (
             ("max_new_tokens", self.max_new_tokens >= 0, ">= 0"),
-            ("temperature", 0 <= self.temperature < math.inf, ">= 0 and finite"),
+            ("temperature", 0 <= self.temperature <= MAX_FLOAT32, ">= 0 and finite in float32"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("top_k", self.top_k == -1 or self.top_k >= 1, "-1 (off) or >= 1"),
             ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),

@@ -39,6 +39,7 @@ INVALID = [
     ({"temperature": -0.1}, "temperature"),
     ({"temperature": "hot"}, "temperature"),
     ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": 3.5e38}, "temperature"),  # finite in float64, inf in the sampler's float32
     ({"top_p": 0.0}, "top_p"),
     ({"top_p": 1.1}, "top_p"),
     ({"top_p": None}, "top_p"),
