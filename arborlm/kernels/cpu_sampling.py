@@ -114,8 +114,10 @@ def _flat_ids(ids_list: list[list[int]]) -> tuple[array, array]:
     offsets = array("q", [0])
     for ids in ids_list:
         offsets.append(offsets[-1] + len(ids))
-    # Ids that do not fit int32 are out of any vocabulary: -1, which the kernel skips.
-    flat = array("i", (i if -(2**31) <= i < 2**31 else -1 for i in itertools.chain.from_iterable(ids_list)))
+    try:
+        flat = array("i", itertools.chain.from_iterable(ids_list))
+    except OverflowError:  # ids that do not fit int32 are out of any vocabulary: -1, which the kernel skips
+        flat = array("i", (i if -(2**31) <= i < 2**31 else -1 for i in itertools.chain.from_iterable(ids_list)))
     return flat, offsets
 
 
