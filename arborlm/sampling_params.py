@@ -282,8 +282,9 @@ class SamplingParams:
                 raise self._bad_type(name, "a boolean")
         if self.seed is not None and not _is_int64(self.seed):
             raise self._bad_type("seed", "an integer in [-2**63, 2**63) or null")
-        if self.logit_bias is not None and not _is_logit_bias(self.logit_bias):
-            raise self._bad_type("logit_bias", "an object of token id -> number")
+        problem = None if self.logit_bias is None else _logit_bias_problem(self.logit_bias)
+        if problem is not None:
+            raise InvalidRequestError(problem, "logit_bias")
 
     def _verify_stops(self) -> None:
         """Stop strings: non-empty, at most `MAX_STOP_STRINGS` of at most `MAX_STOP_LEN` characters;
@@ -343,12 +344,18 @@ class SamplingParams:
                                               f"of at most {MAX_STOP_LEN} characters each")
 
 
-def _is_logit_bias(value: Any) -> bool:
-    """Token id (an int64, or its decimal text as JSON keys are) -> a number."""
-
-    def is_id(key: Any) -> bool:
+def _logit_bias_problem(value: Any) -> str | None:
+    """What is wrong with a ``logit_bias`` (token id, an int64 or its decimal text as JSON keys
+    are -> a number), naming the first bad entry; None when nothing is."""
+    if not isinstance(value, dict):
+        return f"logit_bias must be an object of token id -> number, got {type(value).__name__} {shown(value)}"
+    for key, bias in value.items():
         if isinstance(key, str):
-            return key.isascii() and key.isdigit() and len(key) <= _MAX_TOKEN_ID_DIGITS
-        return _is_int64(key)
-
-    return isinstance(value, dict) and all(is_id(k) and _is_float_like(v) for k, v in value.items())
+            ok = key.isascii() and key.isdigit() and len(key) <= _MAX_TOKEN_ID_DIGITS
+        else:
+            ok = _is_int64(key) and not isinstance(key, bool)
+        if not ok:
+            return f"logit_bias keys must be token ids (non-negative integers), got {shown(key)}"
+        if not _is_float_like(bias):
+            return f"logit_bias[{shown(key)}] must be a number, got {type(bias).__name__} {shown(bias)}"
+    return None

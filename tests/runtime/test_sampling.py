@@ -540,3 +540,16 @@ def test_filter_probs_candidates_equal_the_whole_sort(shape):
         fast = filter_probs(probs, info)
         assert torch.equal(fast[:active], _filter_sorted(probs, info)[:active]), f"seed {seed}"
         assert torch.equal(fast[active:], probs[active:])
+
+
+@pytest.mark.parametrize("logit_bias, names", [
+    ({"7": 1, "-1": 2}, "'-1'"),
+    ({"abc": 2}, "'abc'"),
+    ({"5": float("nan")}, "logit_bias['5']"),
+    ({"5": "x"}, "logit_bias['5']"),
+])
+def test_a_bad_logit_bias_entry_is_named(logit_bias, names):
+    """The message points at the entry that is wrong, not only at the field."""
+    with pytest.raises(InvalidRequestError) as excinfo:
+        SamplingParams(logit_bias=logit_bias).verify(VOCAB)
+    assert excinfo.value.param == "logit_bias" and names in str(excinfo.value)
