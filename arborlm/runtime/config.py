@@ -55,7 +55,7 @@ class ModelConfig:
     )
     disable_cpu_kernels: bool = field(
         default=False,
-        metadata={"help": "on the CPU, use torch ops instead of the fused C++ kernels (norm, SwiGLU, rotary, decode)"},
+        metadata={"help": "on the CPU, use torch ops instead of the C++ kernels (norm, SwiGLU, rotary, decode, sampling)"},
     )
     quantization: str | None = field(
         default=None,

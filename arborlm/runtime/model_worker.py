@@ -218,11 +218,13 @@ class ModelWorker:
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.token_to_kv_pool_allocator = model_runner.token_to_kv_pool_allocator
-        self.sampler = Sampler()
+        # `--disable-cpu-kernels` also keeps sampling and penalties on the torch ops.
+        native = not model_runner.server_args.model.disable_cpu_kernels
+        self.sampler = Sampler(native)
         # The batch's sampling tensors, kept while the same requests decode on.
         self.sampling_info_cache = SamplingInfoCache()
         self.grammar_masker = GrammarMasker()
-        self.draft_verifier = DraftVerifier(self.model_info.vocab_size, self._eos_ids)
+        self.draft_verifier = DraftVerifier(self.model_info.vocab_size, self._eos_ids, native)
         # Verify steps as decode rows (TARGET_VERIFY) where the attention backend takes them, else the
         # scheduler's extend chains (`speculative/verify_batch.py`); tests set it False for the oracle.
         self.verify_as_rows = uses_verify_rows(model_runner.model)

@@ -419,7 +419,13 @@ class Sampler:
     the model's own distribution, as SGLang and OpenAI report it, not the
     truncated distribution actually sampled from (whose logprobs would be 0 for
     every greedy token).
+
+    native: on the CPU, penalties and draws in the native sampler (`kernels.cpu_sampling`)
+    where it builds; False takes the torch ops (``--disable-cpu-kernels``).
     """
+
+    def __init__(self, native: bool = True):
+        self.native = native
 
     def __call__(
         self,
@@ -464,7 +470,7 @@ class Sampler:
         if num_generated is None:
             num_generated = [len(x) for x in output_ids_list]
         logits = self._process_logits(
-            logits, info, output_ids_list, prompt_ids_list, eos_ids_list, num_generated
+            logits, info, output_ids_list, prompt_ids_list, eos_ids_list, num_generated, native=self.native
         )
         # One `row_max` gives both the rows' validity and the greedy tokens.
         maxima, argmax = row_max(logits)
@@ -475,7 +481,7 @@ class Sampler:
             logits = logits.clone()
             logits[list(invalid)] = 0.0
             argmax = row_max(logits)[1]
-        next_token_ids, unsampleable = self._sample(logits, info, argmax)
+        next_token_ids, unsampleable = self._sample(logits, info, argmax, native=self.native)
         invalid = tuple(sorted(set(invalid) | set(unsampleable)))
         if not return_logprob and top_logprobs_num <= 0:
             return SampleOutput(next_token_ids, logits.new_empty(0), None, invalid)
@@ -491,6 +497,7 @@ class Sampler:
         prompt_ids_list: list[list[int]] | None,
         eos_ids_list: list[list[int]] | None,
         num_generated: list[int],
+        native: bool = True,
     ) -> torch.Tensor:
         """Penalties, logit bias, then min_new_tokens masking, on a copy when any applies."""
         need_penalties = info.need_repetition_penalty or info.need_frequency_presence_penalty
@@ -498,7 +505,7 @@ class Sampler:
             return logits.float()
         logits = logits.float().clone()
         if need_penalties:
-            apply_penalties(logits, info, output_ids_list, prompt_ids_list)
+            apply_penalties(logits, info, output_ids_list, prompt_ids_list, native=native)
         if info.need_logit_bias:
             apply_logit_bias(logits, info)
         if info.need_min_new_tokens:
@@ -508,7 +515,7 @@ class Sampler:
 
     @staticmethod
     def _sample(
-        logits: torch.Tensor, info: SamplingBatchInfo, argmax: torch.Tensor | None = None
+        logits: torch.Tensor, info: SamplingBatchInfo, argmax: torch.Tensor | None = None, native: bool = True
     ) -> tuple[torch.Tensor, list[int]]:
         """(B,) int64: argmax on greedy rows, a seeded draw (`SampledRows`) on the others; and the
         sampled rows whose probabilities were not finite (left at their argmax).
@@ -523,7 +530,7 @@ class Sampler:
         # not depend on the batch's composition.
         rows = info.sampled_rows
         uniforms = draw_uniforms([info.generators[i] for i in rows], logits.device)
-        tokens = SampledRows(logits, info).draw(rows, uniforms)
+        tokens = SampledRows(logits, info, native=native).draw(rows, uniforms)
         next_token_ids = argmax.clone()
         good = [(r, t) for r, t in zip(rows, tokens) if t >= 0]
         if good:

@@ -225,3 +225,17 @@ def test_penalties_are_the_torch_paths_bits(lib, penalties, monkeypatch):
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
     assert not torch.equal(got.nan_to_num(), logits.nan_to_num())  # something was penalised
+
+
+def test_native_false_never_touches_the_library(monkeypatch):
+    """`Sampler(native=False)` (what ``--disable-cpu-kernels`` builds) samples and penalises with
+    the torch ops only."""
+    def refuse():
+        raise AssertionError("the native sampler was used")
+
+    monkeypatch.setattr(cpu_sampling, "native_library", refuse)
+    logits = kinds_of_rows(ODD_VOCAB, 4, seed=9)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.2, frequency_penalty=0.3)] * 4
+    info = SamplingBatchInfo.from_params(params, [1, 2, 3, 4], ODD_VOCAB)
+    out = Sampler(native=False)(logits, info, [[1, 2, 2]] * 4, [[5, 6]] * 4, return_logprob=False)
+    assert out.next_token_ids.shape == (4,) and not out.invalid_rows

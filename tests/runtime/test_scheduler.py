@@ -42,6 +42,8 @@ def test_continuous_batching_matches_reference(make_scheduler, tiny_hf_model, di
     sched = make_scheduler(disable_cpu_kernels=disable_cpu_kernels)
     native_builds = cpu_ops.native_library() is not None  # no C++ compiler: torch ops either way
     assert sched.model_runner.model.ops.native is (native_builds and not disable_cpu_kernels)
+    # the sampler and the speculative verifier follow the flag too
+    assert sched.worker.sampler.native is sched.worker.draft_verifier.native is (not disable_cpu_kernels)
     ps = prompts(5, 3, 40)
     lengths = [4, 12, 7, 20, 9]
     reqs = [make_req(f"r{i}", p, max_new_tokens=n, ignore_eos=True) for i, (p, n) in enumerate(zip(ps, lengths))]

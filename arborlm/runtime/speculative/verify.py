@@ -145,11 +145,13 @@ class DraftVerifier:
     ----------
     vocab_size: the model's vocabulary (logits width).
     eos_ids: a request's EOS ids for ``min_new_tokens`` masking (the worker's rule).
+    native: penalties and draws in the native CPU sampler where it applies (as `Sampler`).
     """
 
-    def __init__(self, vocab_size: int, eos_ids: Callable[[Req], list[int]]):
+    def __init__(self, vocab_size: int, eos_ids: Callable[[Req], list[int]], native: bool = True):
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
+        self.native = native
 
     def verify(self, reqs: list[Req], drafts: list[list[int]], full_logits: torch.Tensor) -> VerifyOutput:
         """Process every chain row as a decode step would, then accept per request.
@@ -185,7 +187,7 @@ class DraftVerifier:
             self._check_greedy_targets(reqs, drafts, lazy, logits, maxima, argmax_ids)
         invalid = set(invalid_logit_rows(logits, maxima))
         argmax = argmax_ids.tolist()
-        sampled = None if info.all_greedy else SampledRows(self._finite_rows(logits, invalid), info)
+        sampled = None if info.all_greedy else SampledRows(self._finite_rows(logits, invalid), info, self.native)
         emitted_ids: list[int] = []
         emitted_rows: list[int] = []
         accept_lens: list[int] = []
@@ -312,7 +314,7 @@ class DraftVerifier:
         outputs = [req.output_ids + d[:j] for req, d in zip(reqs, drafts) for j in range(len(d) + 1)]
         if info.need_repetition_penalty or info.need_frequency_presence_penalty:
             prompts = [r.origin_input_ids for r in row_reqs] if info.need_repetition_penalty else None
-            apply_penalties(logits, info, outputs, prompts)
+            apply_penalties(logits, info, outputs, prompts, native=self.native)
         if info.need_logit_bias:
             apply_logit_bias(logits, info)
         if info.need_min_new_tokens:
