@@ -39,7 +39,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,14 +207,22 @@ def load_library(cache_dir: Path) -> ctypes.CDLL:
     return open_library(build_library(cache_dir), "arborlm_abi_version", ABI_VERSION, signatures)
 
 
+def load_or_none(load: Callable[[Path], ctypes.CDLL], unavailable: str,
+                 level: int = logging.WARNING) -> ctypes.CDLL | None:
+    """``load(ENVS.cache_dir)``, or None where the library cannot be built, with one log line
+    ``"<unavailable>: <why>"`` (what runs instead). Each kernel module's `native_library`
+    calls it once per process (`functools.cache`)."""
+    try:
+        return load(ENVS.cache_dir)
+    except KernelBuildError as e:
+        logger.log(level, "%s: %s", unavailable, e)
+        return None
+
+
 @functools.cache
 def native_library() -> ctypes.CDLL | None:
     """The loaded library, built once per process; None (logged once) when it cannot be built."""
-    try:
-        return load_library(ENVS.cache_dir)
-    except KernelBuildError as e:
-        logger.warning("native CPU kernels unavailable, using torch ops: %s", e)
-        return None
+    return load_or_none(load_library, "native CPU kernels unavailable, using torch ops")
 
 
 @dataclass

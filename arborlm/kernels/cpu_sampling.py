@@ -19,17 +19,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
-import logging
 from array import array
 from pathlib import Path
 
 import torch
 
-from arborlm.envs import ENVS
 from arborlm.kernels import cpu_ops
-from arborlm.kernels.cpu_ops import KernelBuildError
-
-logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "sampling.cpp", CSRC / "fast_exp.h")
@@ -57,11 +52,7 @@ def load_library(cache_dir: Path) -> ctypes.CDLL:
 @functools.cache
 def native_library() -> ctypes.CDLL | None:
     """The loaded library, built once per process; None (logged once) when it cannot be built."""
-    try:
-        return load_library(ENVS.cache_dir)
-    except KernelBuildError as e:
-        logger.warning("native CPU sampler unavailable, using torch ops: %s", e)
-        return None
+    return cpu_ops.load_or_none(load_library, "native CPU sampler unavailable, using torch ops")
 
 
 def sample_rows(

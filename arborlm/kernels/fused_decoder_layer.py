@@ -24,16 +24,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from arborlm.envs import ENVS
 from arborlm.kernels import cpu_ops, linear_avx512, quant_ops
-
-logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 SOURCES = (_CSRC / "fused_decoder_layer.cpp", _CSRC / "cpu_kernels.cpp", _CSRC / "linear_bf16_avx512.cpp",
@@ -406,8 +402,4 @@ def load_library(cache_dir: Path) -> ctypes.CDLL:
 @functools.cache
 def native_library() -> ctypes.CDLL | None:
     """The loaded library, once per process; None (logged once) where it cannot be built."""
-    try:
-        return load_library(ENVS.cache_dir)
-    except cpu_ops.KernelBuildError as e:
-        logger.warning("fused decoder layer unavailable, decode steps take the per-op kernels: %s", e)
-        return None
+    return cpu_ops.load_or_none(load_library, "fused decoder layer unavailable, decode steps take the per-op kernels")

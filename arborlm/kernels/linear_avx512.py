@@ -21,10 +21,6 @@ from pathlib import Path
 
 import torch
 
-from arborlm.envs import ENVS
-
-logger = logging.getLogger(__name__)
-
 SOURCES = (Path(__file__).parent / "csrc" / "linear_bf16_avx512.cpp",)
 ABI_VERSION = 2
 # Output columns per packed block and input features per pair (the kernel's layout).
@@ -139,10 +135,6 @@ def load_library(cache_dir: Path) -> ctypes.CDLL:
 @functools.cache
 def native_library() -> ctypes.CDLL | None:
     """The loaded library, once per process; None (logged once at info) where it cannot be built."""
-    from arborlm.kernels.cpu_ops import KernelBuildError
+    from arborlm.kernels import cpu_ops
 
-    try:
-        return load_library(ENVS.cache_dir)
-    except KernelBuildError as e:
-        logger.info("AVX-512 bf16 linear kernel unavailable, using oneDNN: %s", e)
-        return None
+    return cpu_ops.load_or_none(load_library, "AVX-512 bf16 linear kernel unavailable, using oneDNN", logging.INFO)

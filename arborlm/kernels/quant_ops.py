@@ -25,19 +25,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from arborlm.envs import ENVS
 from arborlm.kernels import cpu_ops, quant_reference
-from arborlm.kernels.cpu_ops import KernelBuildError
 from arborlm.kernels.quant_layout import QuantWeight
-
-logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "quant_layout.h", CSRC / "quant_linear.cpp", CSRC / "quant_dequant.cpp")
@@ -97,11 +92,7 @@ def load_library(cache_dir: Path) -> ctypes.CDLL:
 @functools.cache
 def native_library() -> ctypes.CDLL | None:
     """The loaded library, built once per process; None (logged once) when it cannot be built."""
-    try:
-        return load_library(ENVS.cache_dir)
-    except KernelBuildError as e:
-        logger.warning("native quantized kernels unavailable, using torch ops: %s", e)
-        return None
+    return cpu_ops.load_or_none(load_library, "native quantized kernels unavailable, using torch ops")
 
 
 class QuantOps:

@@ -13,12 +13,10 @@
 
 namespace {
 
-// exp(x) for float32 by range reduction and a degree-6 polynomial (Cephes
-// `expf`), within 2 ulp; `exp16` below is the same in AVX-512.
-inline float fast_exp(float x) {
-  x = std::fmin(std::fmax(x, -87.3f), 88.7f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+// exp(r) of the reduced argument r = x - n ln 2 (|r| <= ln(2) / 2 for x in range), by Cephes
+// `expf`'s degree-6 polynomial: what `fast_exp` and `exp_nonpositive` compute after their
+// range reduction.
+inline float exp_poly(float r) {
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
@@ -26,7 +24,16 @@ inline float fast_exp(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  return std::ldexp(p, static_cast<int>(n));
+  return p;
+}
+
+// exp(x) for float32 by range reduction and a degree-6 polynomial (Cephes
+// `expf`), within 2 ulp; `exp16` below is the same in AVX-512.
+inline float fast_exp(float x) {
+  x = std::fmin(std::fmax(x, -87.3f), 88.7f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  return std::ldexp(exp_poly(r), static_cast<int>(n));
 }
 
 // exp(x) for x <= 0 (the softmax's shifted scores), as `fast_exp` (Cephes `expf`), in
@@ -39,13 +46,7 @@ inline float exp_nonpositive(float x) {
   n = n < -127 ? -127 : n;
   const float nf = static_cast<float>(n);
   const float r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  const float p = exp_poly(r);
   const int32_t bits = (n + 127) << 23;
   float pow2;
   std::memcpy(&pow2, &bits, 4);
