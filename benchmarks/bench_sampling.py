@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from array import array
 import sys
 import time
 from pathlib import Path
@@ -118,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
             g = torch.Generator().manual_seed(batch)
             logits = make_rows("peaked", batch, args.vocab, seed=batch)
             outputs = [torch.randint(0, args.vocab, (args.output_len,), generator=g).tolist() for _ in range(batch)]
-            prompts = [torch.randint(0, args.vocab, (args.prompt_len,), generator=g).tolist() for _ in range(batch)]
+            # prompts as the worker passes them (`Req.prompt_id_array`), outputs as lists
+            prompts = [array("i", torch.randint(0, args.vocab, (args.prompt_len,), generator=g).tolist())
+                       for _ in range(batch)]
             params = [SamplingParams(temperature=0.7, **penalties)] * batch
             info = SamplingBatchInfo.from_params(params, list(range(batch)), args.vocab)
             paths = {native: penalty_call(logits, info, outputs, prompts, native) for native in (False, True)}

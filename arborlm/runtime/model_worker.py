@@ -312,7 +312,7 @@ class ModelWorker:
             logits,
             info,
             output_ids_list=[r.output_ids for r in reqs],
-            prompt_ids_list=[r.origin_input_ids for r in reqs] if info.need_repetition_penalty else None,
+            prompt_ids_list=[r.prompt_id_array() for r in reqs] if info.need_repetition_penalty else None,
             eos_ids_list=[self._eos_ids(r) for r in reqs] if info.need_min_new_tokens else None,
             top_logprobs_num=top_n,
             return_logprob=return_logprob,

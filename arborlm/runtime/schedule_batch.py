@@ -10,6 +10,7 @@ request allocated itself. `ScheduleBatch` turns a list of requests into the
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,19 @@ class Req:
     spec_state: Any = None
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0
+    # `origin_input_ids` as an int32 array, built on first use (`prompt_id_array`).
+    _prompt_array: array | None = field(default=None, repr=False)
+
+    def prompt_id_array(self) -> array | list[int]:
+        """The prompt as an int32 `array`, built once: the native repetition penalty copies it
+        each step (a memcpy) where flattening a Python list took ~15 ns an id (4000-token
+        prompts at 32 requests: ~2 ms a step). The list itself where an id does not fit int32."""
+        if self._prompt_array is None:
+            try:
+                self._prompt_array = array("i", self.origin_input_ids)
+            except OverflowError:
+                return self.origin_input_ids
+        return self._prompt_array
 
     @property
     def fill_ids(self) -> list[int]:

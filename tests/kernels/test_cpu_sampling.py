@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import platform
+from array import array
 from collections import Counter
 
 import pytest
@@ -225,6 +226,11 @@ def test_penalties_are_the_torch_paths_bits(lib, penalties, monkeypatch):
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
     assert not torch.equal(got.nan_to_num(), logits.nan_to_num())  # something was penalised
+    # prompts as the int32 arrays requests keep (`Req.prompt_id_array`), beside lists
+    as_arrays = [array("i", p) if i % 2 else p for i, p in enumerate(prompts)]
+    again = logits.clone()
+    sampling.apply_penalties(again, info, outputs, as_arrays)
+    assert torch.equal(again.nan_to_num(), want.nan_to_num())
 
 
 def test_native_false_never_touches_the_library(monkeypatch):

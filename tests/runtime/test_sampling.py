@@ -553,3 +553,13 @@ def test_a_bad_logit_bias_entry_is_named(logit_bias, names):
     with pytest.raises(InvalidRequestError) as excinfo:
         SamplingParams(logit_bias=logit_bias).verify(VOCAB)
     assert excinfo.value.param == "logit_bias" and names in str(excinfo.value)
+
+
+def test_a_requests_prompt_array_is_built_once_and_equals_its_prompt():
+    from arborlm.runtime.schedule_batch import Req
+
+    req = Req(rid="r", origin_input_ids=[3, 1, 4, 1, 5], sampling_params=SamplingParams(), seed=0)
+    first = req.prompt_id_array()
+    assert list(first) == [3, 1, 4, 1, 5] and req.prompt_id_array() is first
+    wide = Req(rid="w", origin_input_ids=[1, 2**40], sampling_params=SamplingParams(), seed=0)
+    assert wide.prompt_id_array() == [1, 2**40]  # an id past int32: the list itself

@@ -313,7 +313,7 @@ class DraftVerifier:
             return logits
         outputs = [req.output_ids + d[:j] for req, d in zip(reqs, drafts) for j in range(len(d) + 1)]
         if info.need_repetition_penalty or info.need_frequency_presence_penalty:
-            prompts = [r.origin_input_ids for r in row_reqs] if info.need_repetition_penalty else None
+            prompts = [r.prompt_id_array() for r in row_reqs] if info.need_repetition_penalty else None
             apply_penalties(logits, info, outputs, prompts, native=self.native)
         if info.need_logit_bias:
             apply_logit_bias(logits, info)
