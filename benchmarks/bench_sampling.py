@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from array import array
 import sys
 import time
+from array import array
 from pathlib import Path
 
 import torch
