@@ -162,13 +162,12 @@ def draw_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor
     """One token per row, drawn by inverse CDF: (n,) int64.
 
     Row i returns the first token whose cumulative probability exceeds ``uniforms[i]``
-    times the row's total,
-    so token k comes with probability ``probs[i, k] / probs[i].sum()`` (to float64
-    rounding) and a zero-probability token never comes. The cumulative sums are
-    taken in two levels, over blocks of `SAMPLE_BLOCK` tokens and then inside the
-    chosen block, in float64: a row is one read of its probabilities. Each row's
-    draw depends on its own row and generator only, so the same seed gives the
-    same token whatever else shares the batch. (`torch.multinomial` draws one
+    times the row's total, so token k comes with probability ``probs[i, k] /
+    probs[i].sum()`` (to float64 rounding) and a zero-probability token never comes.
+    The cumulative sums are taken in two levels, over blocks of `SAMPLE_BLOCK` tokens
+    and then inside the chosen block, in float64: a row is one read of its
+    probabilities. Each row's draw depends on its own row and uniform only, so the
+    same seed gives the same token whatever else shares the batch. (`torch.multinomial` draws one
     exponential per token of the vocabulary: 1.2-1.5 ms a row at 49152 tokens on
     a 2-core CPU, against about 0.06 ms here.)
 
