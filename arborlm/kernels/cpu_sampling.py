@@ -28,7 +28,7 @@ from arborlm.kernels import cpu_ops
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "sampling.cpp", CSRC / "fast_exp.h")
-ABI_VERSION = 2
+ABI_VERSION = 3
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "arborlm_sampling_abi_version": ((), _int),
@@ -73,27 +73,33 @@ def sample_rows(
     lib: `native_library()`.
     logits: (B, V) float32 on the CPU, rows contiguous (penalties and masks applied).
     rows: (n,) int64, which rows of ``logits`` to draw.
-    temperatures: (n,) float32, > 0 (a row of 0 or less gets -1).
-    top_ks: (n,) int64, V or more for none; top_ps: (n,) float32, 1 for none;
-    min_ps: (n,) float32, 0 for none.
-    uniforms: (n,) float64 in [0, 1), one per row from its request's generator.
+    temperatures: (B,) float32 contiguous, one per logits row, > 0 on the rows drawn (a row
+        of 0 or less gets -1).
+    top_ks: (B,) int64, V or more for none; top_ps: (B,) float32, 1 for none;
+        min_ps: (B,) float32, 0 for none (each contiguous, one per logits row).
+    uniforms: (n,) float64 in [0, 1), one per row drawn, from its request's generator.
 
     Raises
     ------
-    ValueError: ``logits`` is not a float32 CPU tensor with contiguous rows.
+    ValueError: ``logits`` is not a float32 CPU tensor with contiguous rows, or an argument
+        is not of its dtype, contiguous and of its length.
     """
     if logits.dtype != torch.float32 or not logits.is_cpu or logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits: (B, V) float32 CPU rows expected, got {logits.dtype} {tuple(logits.shape)} "
                          f"on {logits.device} with strides {logits.stride()}")
-    n = rows.numel()
-    args = [rows.to(torch.int64), temperatures.to(torch.float32), top_ks.to(torch.int64),
-            top_ps.to(torch.float32), min_ps.to(torch.float32), uniforms.to(torch.float64)]
-    args = [a.contiguous() for a in args]
+    n, batch = rows.numel(), logits.shape[0]
+    expected = ((rows, torch.int64, n), (temperatures, torch.float32, batch), (top_ks, torch.int64, batch),
+                (top_ps, torch.float32, batch), (min_ps, torch.float32, batch), (uniforms, torch.float64, n))
+    if any(t.dtype != dtype or t.numel() != size or not t.is_contiguous() for t, dtype, size in expected):
+        raise ValueError("rows (n,) int64, temperatures, top_ks, top_ps, min_ps (B,) float32 / int64 / float32 / "
+                         "float32 and uniforms (n,) float64, each contiguous, are expected")
     tokens = torch.empty(n, dtype=torch.int64)
     if n == 0:
         return tokens
+    if bool((rows < 0).any()) or bool((rows >= batch).any()):
+        raise ValueError(f"rows must be in [0, {batch})")
     status = lib.arborlm_sample_rows(logits.data_ptr(), logits.stride(0), logits.shape[1], n,
-                                     *(a.data_ptr() for a in args), tokens.data_ptr())
+                                     *(t.data_ptr() for t, _, _ in expected), tokens.data_ptr())
     if status != 0:
         raise ValueError(f"arborlm_sample_rows rejected its arguments (status {status})")
     return tokens

@@ -218,8 +218,13 @@ class SampledRows:
         self.info = info
         usable = native and logits.is_cpu and logits.dtype == torch.float32
         self.lib = cpu_sampling.native_library() if usable else None
-        if self.lib is not None and logits.stride(-1) != 1:
-            self.logits = logits.contiguous()
+        if self.lib is not None:
+            if logits.stride(-1) != 1:
+                self.logits = logits.contiguous()
+            # One per logits row, typed and contiguous once: a verify step draws its chain rows
+            # one call each.
+            self._params = (info.temperatures.reshape(-1).float().contiguous(), info.top_ks.long().contiguous(),
+                            info.top_ps.float().contiguous(), info.min_ps.float().contiguous())
         self._probs: tuple[torch.Tensor, set[int]] | None = None
 
     def draw(self, rows: list[int], uniforms: torch.Tensor) -> list[int]:
@@ -228,13 +233,11 @@ class SampledRows:
         if not rows:
             return []
         index = torch.tensor(rows, dtype=torch.int64, device=self.logits.device)
-        info = self.info
         if self.lib is not None:
-            return cpu_sampling.sample_rows(
-                self.lib, self.logits, index, info.temperatures.view(-1)[index], info.top_ks[index],
-                info.top_ps[index], info.min_ps[index], uniforms).tolist()
+            return cpu_sampling.sample_rows(self.lib, self.logits, index, *self._params,
+                                            uniforms.to(torch.float64).contiguous()).tolist()
         if self._probs is None:
-            probs, unusable = sampling_probs(self.logits, info)
+            probs, unusable = sampling_probs(self.logits, self.info)
             self._probs = probs, set(unusable)
         probs, unusable = self._probs
         good = [i for i, r in enumerate(rows) if r not in unusable]

@@ -45,7 +45,8 @@ SETTINGS = [
 def lib(request, compiler, tmp_path_factory):
     """The sampler library, built once per module for each entry of `BUILDS`."""
     if BUILDS[request.param] and platform.machine().lower() not in ("x86_64", "amd64"):
-        pytest.skip(f"the {request.param} build passes x86-only flags; this machine is {platform.machine()}")
+        pytest.skip(f"the {request.param} build passes x86-only flags ({' '.join(BUILDS[request.param])}); this "
+                    f"machine is {platform.machine()}, where the native build (the one it serves with) is tested")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cpu_ops, "CXX_FLAGS", cpu_ops.CXX_FLAGS + BUILDS[request.param])
         return cpu_sampling.load_library(tmp_path_factory.mktemp(f"sampling-{request.param}"))
@@ -59,9 +60,8 @@ def batch_info(settings: list[tuple[float, float, int, float]], vocab: int) -> S
 def native_draw(lib, logits: torch.Tensor, info: SamplingBatchInfo, uniforms: torch.Tensor,
                 rows: list[int] | None = None) -> list[int]:
     rows = list(range(logits.shape[0])) if rows is None else rows
-    index = torch.tensor(rows)
-    return cpu_sampling.sample_rows(lib, logits, index, info.temperatures.view(-1)[index], info.top_ks[index],
-                                    info.top_ps[index], info.min_ps[index], uniforms).tolist()
+    return cpu_sampling.sample_rows(lib, logits, torch.tensor(rows), info.temperatures.view(-1), info.top_ks,
+                                    info.top_ps, info.min_ps, uniforms).tolist()
 
 
 def torch_draw(logits: torch.Tensor, info: SamplingBatchInfo, uniforms: torch.Tensor) -> list[int]:
@@ -157,8 +157,13 @@ def test_rows_that_cannot_be_drawn_from_get_minus_one_and_spare_the_others(lib):
 
 def test_bad_arguments_raise(lib):
     info = batch_info([SETTINGS[0]], 8)
+    u = torch.zeros(1, dtype=torch.float64)
     with pytest.raises(ValueError, match="float32"):
-        native_draw(lib, torch.zeros(1, 8, dtype=torch.float64), info, torch.zeros(1, dtype=torch.float64))
+        native_draw(lib, torch.zeros(1, 8, dtype=torch.float64), info, u)
+    with pytest.raises(ValueError, match=r"in \[0, 1\)"):
+        native_draw(lib, torch.zeros(1, 8), info, u, rows=[1])  # past the logits' rows
+    with pytest.raises(ValueError, match="contiguous"):
+        native_draw(lib, torch.zeros(1, 8), info, torch.zeros(1, dtype=torch.float32))
 
 
 @pytest.mark.parametrize("setting", [(1.0, 1.0, -1, 0.0), (0.7, 0.8, -1, 0.0), (1.2, 1.0, 5, 0.0),

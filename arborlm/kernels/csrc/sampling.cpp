@@ -35,7 +35,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 2;
+constexpr int kAbiVersion = 3;
 
 // Candidate thresholds on e (the largest e is 1), tried from the highest: the tokens at or
 // above one are enough (`enough`) when they hold top-k's k tokens, or for top-p alone more
@@ -99,11 +99,19 @@ float scaled_max(const float* logits, int64_t vocab, float temperature, float* e
   return nan ? NAN : _mm512_reduce_max_ps(mx);
 }
 
-// Lanes of float32 added to two float64 accumulators (lanes 0-7, 8-15) where `m` is set.
-inline void add_pd(__m512d* lo, __m512d* hi, __m512 v, __mmask16 m) {
-  *lo = _mm512_mask_add_pd(*lo, static_cast<__mmask8>(m), *lo, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
-  *hi = _mm512_mask_add_pd(*hi, static_cast<__mmask8>(m >> 8), *hi,
-                           _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+// 16 float32 lanes as two float64 vectors (lanes 0-7, 8-15), converted once per vector and
+// added to every sum that takes them.
+struct Wide {
+  __m512d lo, hi;
+  explicit Wide(__m512 v)
+      : lo(_mm512_cvtps_pd(_mm512_castps512_ps256(v))),
+        hi(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)))) {}
+};
+
+// `v`'s lanes added to two float64 accumulators (lanes 0-7, 8-15) where `m` is set.
+inline void add_pd(__m512d* lo, __m512d* hi, const Wide& v, __mmask16 m) {
+  *lo = _mm512_mask_add_pd(*lo, static_cast<__mmask8>(m), *lo, v.lo);
+  *hi = _mm512_mask_add_pd(*hi, static_cast<__mmask8>(m >> 8), *hi, v.hi);
 }
 
 inline double sum_pd(__m512d lo, __m512d hi) { return _mm512_reduce_add_pd(_mm512_add_pd(lo, hi)); }
@@ -123,12 +131,13 @@ double exp_row(float* e, int64_t vocab, float mx, int64_t* counts, double* masse
     const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, e + i), mxv);
     const __m512 v = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, low, _CMP_GE_OQ), exp16(d));
     _mm512_mask_storeu_ps(e + i, m, v);
-    add_pd(&all_lo, &all_hi, v, m);
+    const Wide w(v);
+    add_pd(&all_lo, &all_hi, w, m);
     if constexpr (Thresholds) {
       for (int t = 0; t < kThresholds; ++t) {
         const __mmask16 in = _mm512_mask_cmp_ps_mask(m, v, _mm512_set1_ps(kThreshold[t]), _CMP_GE_OQ);
         count[t] += __builtin_popcount(in);
-        add_pd(&lo[t], &hi[t], v, in);
+        add_pd(&lo[t], &hi[t], w, in);
       }
     }
   }
@@ -171,7 +180,7 @@ double kept_blocks(const float* e, int64_t vocab, Cut cut, std::vector<double>& 
       const __mmask16 tie = _mm512_mask_cmp_epi32_mask(_mm512_cmp_ps_mask(v, ce, _CMP_EQ_OQ), id, cid, _MM_CMPINT_LE);
       const __mmask16 in = _mm512_mask_cmp_ps_mask(m, v, zero, _CMP_GT_OQ) &
                            (_mm512_cmp_ps_mask(v, ce, _CMP_GT_OQ) | tie);
-      add_pd(&acc_lo, &acc_hi, v, in);
+      add_pd(&acc_lo, &acc_hi, Wide(v), in);
     }
     block_mass[b] = sum_pd(acc_lo, acc_hi);
     total += block_mass[b];
@@ -453,21 +462,25 @@ extern "C" {
 
 int arborlm_sampling_abi_version() { return kAbiVersion; }
 
-// tokens[i] = the draw of logits row rows[i] with temperatures[i], top_ks[i] (clamped to
-// [1, vocab]), top_ps[i], min_ps[i] and uniforms[i]; -1 where that row cannot be drawn
-// from. logits: rows of `vocab` float32 `stride` apart. Returns 0, or 1 on bad arguments.
+// tokens[i] = the draw of logits row r = rows[i] with temperatures[r], top_ks[r] (clamped to
+// [1, vocab]), top_ps[r], min_ps[r] (one per logits row) and uniforms[i]; -1 where that row
+// cannot be drawn from. logits: rows of `vocab` float32 `stride` apart. Returns 0, or 1 on
+// bad arguments.
 int arborlm_sample_rows(const float* logits, int64_t stride, int64_t vocab, int64_t n, const int64_t* rows,
                         const float* temperatures, const int64_t* top_ks, const float* top_ps, const float* min_ps,
                         const double* uniforms, int64_t* tokens) {
   if (vocab <= 0 || vocab > INT32_MAX || n < 0 || stride < vocab) return 1;
 #pragma omp parallel if (n > 1)
   {
-    Scratch scratch;
+    // Kept per thread across calls: a fresh one zero-filled a row's worth of floats each call
+    // (a speculative verify step draws its chain rows one call each).
+    thread_local Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) {
-      const Row row{temperatures[i], std::min(std::max<int64_t>(top_ks[i], 1), vocab), top_ps[i], min_ps[i],
+      const int64_t r = rows[i];
+      const Row row{temperatures[r], std::min(std::max<int64_t>(top_ks[r], 1), vocab), top_ps[r], min_ps[r],
                     uniforms[i]};
-      tokens[i] = row.temperature > 0.f ? sample_row(logits + rows[i] * stride, vocab, row, scratch) : -1;
+      tokens[i] = row.temperature > 0.f ? sample_row(logits + r * stride, vocab, row, scratch) : -1;
     }
   }
   return 0;
