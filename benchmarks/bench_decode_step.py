@@ -343,10 +343,11 @@ def step_flops(result: dict, params: int, group: int, kv_element_size: int) -> f
 
 
 def kv_bytes(scheduler: Scheduler, seq_lens: list[int]) -> int:
-    """Bytes of K and V the step's attention reads over `seq_lens` tokens (every layer)."""
+    """Bytes of K and V the step's attention reads over `seq_lens` tokens (every layer; an
+    int8 pool's scales included)."""
     pool = scheduler.worker.token_to_kv_pool
-    per_token = 2 * pool.k_buffer[:, 0].numel() * pool.k_buffer.element_size()
-    return per_token * sum(seq_lens)
+    layers, _, kv_heads, head_dim = pool.k_buffer.shape
+    return pool.bytes_per_token(layers, kv_heads, head_dim, pool.k_buffer.dtype) * sum(seq_lens)
 
 
 def make_request(i: int, prompt_len: int, vocab: int, max_new_tokens: int, params: dict) -> TokenizedGenerateReqInput:
@@ -581,6 +582,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="onednn: also time, interleaved, bare steps with the linears on oneDNN "
                          "where they take the AVX-512 kernel (kernels/linear_avx512.py); unfused: "
                          "with the decoder layers module by module where they take the fused call")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="as the server's: auto (the model's dtype), int8, fp8_e5m2, fp8_e4m3")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch's and OpenMP's threads (default: every core); one times steadier on a shared machine")
     ap.add_argument("--markdown-out", type=Path, default=None)
@@ -589,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
 
     server_args = ServerArgs.from_kwargs(
         model_path=args.model_path, dtype=args.dtype, quantization=args.quantization, log_level="warning",
-        max_total_tokens=(max(int(b) for b in args.batch_sizes.split(",")) + 1) * (args.prompt_len + decode_tokens(args)) * 2,
+        kv_cache_dtype=args.kv_cache_dtype, max_total_tokens=(max(int(b) for b in args.batch_sizes.split(",")) + 1) * (args.prompt_len + decode_tokens(args)) * 2,
     )
     scheduler = Scheduler(server_args)
     if args.threads is not None:  # after the model runner, which sets every core
@@ -612,7 +615,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         front.close()
     weights = weight_bytes_per_step(scheduler.model_runner.model)
-    meta = {"dtype": str(dtype).replace("torch.", "") + (f", quantization {args.quantization}" if args.quantization != "none" else ""), "threads": torch.get_num_threads(), "prompt_len": args.prompt_len,
+    meta = {"dtype": str(dtype).replace("torch.", "") + (f", quantization {args.quantization}" if args.quantization != "none" else "")
+            + (f", KV {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""), "threads": torch.get_num_threads(), "prompt_len": args.prompt_len,
             "temperature": args.temperature, "top_p": args.top_p, "baseline": args.baseline, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     model = scheduler.model_runner.model
     config = getattr(model, "config", None)

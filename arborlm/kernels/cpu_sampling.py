@@ -28,12 +28,13 @@ from arborlm.kernels import cpu_ops
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "sampling.cpp", CSRC / "fast_exp.h")
-ABI_VERSION = 3
+ABI_VERSION = 4
 _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
     "arborlm_sampling_abi_version": ((), _int),
     "arborlm_sample_rows": ((_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr), _int),
     "arborlm_apply_penalties": ((_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr), _int),
+    "arborlm_row_max": ((_ptr, _i64, _i64, _i64, _ptr, _ptr), _int),
 }
 
 
@@ -103,6 +104,31 @@ def sample_rows(
     if status != 0:
         raise ValueError(f"arborlm_sample_rows rejected its arguments (status {status})")
     return tokens
+
+
+def row_max(lib: ctypes.CDLL, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's maximum and the first index holding it, as ``logits.max(dim=-1)``: (B,)
+    float32 values and (B,) int64 indices; a row with a NaN gives NaN and its first NaN's
+    index, an all -inf row -inf at 0. One pass over each row in lanes (torch's ops took
+    60 us at 1 row of 49152 and 300 us at 32 on a 2-core CPU).
+
+    Raises
+    ------
+    ValueError: ``logits`` is not a (B, V) float32 CPU tensor with contiguous rows, or V is
+        0 or 2**31 - 64 or more.
+    """
+    if logits.dtype != torch.float32 or not logits.is_cpu or logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"logits: (B, V) float32 CPU rows expected, got {logits.dtype} {tuple(logits.shape)} "
+                         f"on {logits.device} with strides {logits.stride()}")
+    rows = logits.shape[0]
+    values, indices = torch.empty(rows, dtype=torch.float32), torch.empty(rows, dtype=torch.int64)
+    if rows == 0:
+        return values, indices
+    status = lib.arborlm_row_max(logits.data_ptr(), logits.stride(0), logits.shape[1], rows, values.data_ptr(),
+                                 indices.data_ptr())
+    if status != 0:
+        raise ValueError(f"arborlm_row_max rejected a ({rows}, {logits.shape[1]}) logits tensor (status {status})")
+    return values, indices
 
 
 def _flat_ids(ids_list: Sequence[Sequence[int]]) -> tuple[array, array]:

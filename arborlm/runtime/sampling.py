@@ -369,9 +369,12 @@ def apply_min_new_tokens(
 # Columns per chunk of `row_max`'s first pass.
 ROW_MAX_CHUNK = 1024
 
-def row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def row_max(logits: torch.Tensor, native: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits.max(dim=-1)`` of (B, V) float32: (B,) values and (B,) int64 indices of each
     row's first maximum (NaN propagates into the value as torch's does).
+
+    native: on the CPU, one pass per row in the native sampler (`cpu_sampling.row_max`,
+    the same values and indices bit for bit) where its library builds; else as below.
 
     In two passes, because torch's CPU max-with-indices over a long row is slow (SmolLM2's
     49152 columns: 44 us a row at B=1, 720 us at B=32): the chunks' maxima without indices
@@ -380,6 +383,9 @@ def row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     in one pass: the first chunk with the maximum, the first position in it. Other devices
     take the one pass (their max-with-indices has no such cost).
     """
+    lib = cpu_sampling.native_library() if native and logits.is_cpu and logits.dim() == 2 else None
+    if lib is not None and logits.shape[1] > 0:
+        return cpu_sampling.row_max(lib, logits if logits.stride(1) == 1 else logits.contiguous())
     rows, cols = logits.shape
     main = cols // ROW_MAX_CHUNK * ROW_MAX_CHUNK
     if main == 0 or not logits.is_cpu:
@@ -473,14 +479,14 @@ class Sampler:
             logits, info, output_ids_list, prompt_ids_list, eos_ids_list, num_generated, native=self.native
         )
         # One `row_max` gives both the rows' validity and the greedy tokens.
-        maxima, argmax = row_max(logits)
+        maxima, argmax = row_max(logits, self.native)
         invalid = invalid_logit_rows(logits, maxima)
         if invalid:
             # A poisoned row must not poison the batch: sample it from zeros (its token is
             # discarded) so softmax and the draws see only finite rows.
             logits = logits.clone()
             logits[list(invalid)] = 0.0
-            argmax = row_max(logits)[1]
+            argmax = row_max(logits, self.native)[1]
         next_token_ids, unsampleable = self._sample(logits, info, argmax, native=self.native)
         invalid = tuple(sorted(set(invalid) | set(unsampleable)))
         if not return_logprob and top_logprobs_num <= 0:
@@ -523,7 +529,7 @@ class Sampler:
         argmax: ``logits.max(dim=-1).indices`` when the caller has it, else computed here.
         """
         if argmax is None:
-            argmax = row_max(logits)[1]
+            argmax = row_max(logits, native)[1]
         if info.all_greedy:
             return argmax, []
         # Each sampled row draws with its own request's generator, so a seed's draws do

@@ -155,11 +155,50 @@ def test_rows_that_cannot_be_drawn_from_get_minus_one_and_spare_the_others(lib):
     assert got[4] >= 0
 
 
+@pytest.mark.parametrize("vocab", [VOCAB, ODD_VOCAB, 1, 63, 64, 65, 130])
+def test_row_max_is_torchs_max_bit_for_bit(lib, vocab):
+    """`row_max`: torch's ``max(dim=-1)`` values (bits, -0 included) and first indices, with a
+    NaN (the first NaN's index), +inf, all -inf, ties and signed zeros in rows, over rows
+    `stride` apart (a slice of a wider tensor)."""
+    wide = torch.randn(12, vocab + 5, generator=torch.Generator().manual_seed(vocab))
+    logits = wide[:, :vocab]
+    logits[1, vocab // 2] = math.nan
+    logits[1, vocab - 1] = math.nan
+    logits[2, vocab - 1] = math.nan
+    logits[3] = -math.inf
+    logits[4, vocab // 3] = math.inf
+    logits[5] = torch.round(logits[5])  # many ties
+    logits[6] = 0.0
+    logits[7, ::2], logits[7, 1::2] = -0.0, 0.0
+    logits[8, -1] = 100.0  # the maximum in the tail past the lanes
+    logits[9, 0] = 100.0
+    values, indices = cpu_sampling.row_max(lib, logits)
+    want = logits.max(dim=-1)
+    assert torch.equal(indices, want.indices)
+    assert torch.equal(values.view(torch.int32), want.values.view(torch.int32))
+
+
+def test_the_sampler_greedy_rows_are_the_torch_paths():
+    """`Sampler(native=True)`'s greedy tokens and unsampleable rows equal the torch path's."""
+    logits = kinds_of_rows(VOCAB, 6, seed=4)
+    logits[2, 5] = math.nan
+    logits[3] = -math.inf
+    logits[4] = torch.round(logits[4])
+    params = [SamplingParams(temperature=0.0)] * 6
+    info = SamplingBatchInfo.from_params(params, list(range(6)), VOCAB)
+    native = Sampler(native=True)(logits, info, return_logprob=False)
+    plain = Sampler(native=False)(logits, info, return_logprob=False)
+    assert native.invalid_rows == plain.invalid_rows == (2, 3)
+    assert native.next_token_ids[[0, 1, 4, 5]].tolist() == plain.next_token_ids[[0, 1, 4, 5]].tolist()
+
+
 def test_bad_arguments_raise(lib):
     info = batch_info([SETTINGS[0]], 8)
     u = torch.zeros(1, dtype=torch.float64)
     with pytest.raises(ValueError, match="float32"):
         native_draw(lib, torch.zeros(1, 8, dtype=torch.float64), info, u)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_sampling.row_max(lib, torch.zeros(1, 8, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"in \[0, 1\)"):
         native_draw(lib, torch.zeros(1, 8), info, u, rows=[1])  # past the logits' rows
     with pytest.raises(ValueError, match="contiguous"):

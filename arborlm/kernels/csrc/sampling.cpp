@@ -35,7 +35,7 @@
 
 namespace {
 
-constexpr int kAbiVersion = 3;
+constexpr int kAbiVersion = 4;
 
 // Candidate thresholds on e (the largest e is 1), tried from the highest: the tokens at or
 // above one are enough (`enough`) when they hold top-k's k tokens, or for top-p alone more
@@ -456,6 +456,63 @@ void penalise_row(float* logits, int64_t vocab, const int32_t* out, int64_t n_ou
   }
 }
 
+// The largest value of x[0, n) and the first index holding it, as torch's `max(dim=-1)`
+// on the CPU: NaN and the first NaN's index when the row holds one; an all -inf row gives
+// -inf at 0. In lanes, 4 accumulators of 16: each lane keeps its first strict maximum
+// (so a tie keeps the earlier position), then the smallest index among the lanes equal
+// to the maximum wins; -0 and +0 compare equal, and the value returned is x at the index.
+void max_with_index(const float* x, int64_t n, float* value, int64_t* index) {
+  int64_t best = 0;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  constexpr int64_t kStep = 64;
+  if (n >= kStep) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 top[4];
+    __m512i at[4];
+    __mmask16 nan = 0;
+    for (int a = 0; a < 4; ++a) {
+      top[a] = _mm512_loadu_ps(x + 16 * a);
+      at[a] = _mm512_add_epi32(lane, _mm512_set1_epi32(16 * a));
+      nan |= _mm512_cmp_ps_mask(top[a], top[a], _CMP_UNORD_Q);
+    }
+    for (i = kStep; i + kStep <= n; i += kStep) {
+      for (int a = 0; a < 4; ++a) {
+        const __m512 v = _mm512_loadu_ps(x + i + 16 * a);
+        const __mmask16 up = _mm512_cmp_ps_mask(v, top[a], _CMP_GT_OQ);
+        top[a] = _mm512_mask_mov_ps(top[a], up, v);
+        at[a] = _mm512_mask_mov_epi32(at[a], up, _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(i + 16 * a))));
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      }
+    }
+    if (nan) {  // rare: the first NaN, as torch reports it
+      for (int64_t j = 0; j < n; ++j)
+        if (std::isnan(x[j])) {
+          *value = x[j];
+          *index = j;
+          return;
+        }
+    }
+    const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(top[0], top[1]), _mm512_max_ps(top[2], top[3])));
+    int32_t first = INT32_MAX;
+    for (int a = 0; a < 4; ++a)
+      first = std::min(first, _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(top[a], _mm512_set1_ps(m), _CMP_EQ_OQ),
+                                                           at[a]));
+    best = first;
+  }
+#endif
+  for (; i < n; ++i) {  // the tail (or the whole row without AVX-512)
+    if (std::isnan(x[i])) {  // the first NaN: the lanes, if any ran, saw none
+      *value = x[i];
+      *index = i;
+      return;
+    }
+    if (x[i] > x[best]) best = i;
+  }
+  *value = x[best];
+  *index = best;
+}
+
 }  // namespace
 
 extern "C" {
@@ -483,6 +540,17 @@ int arborlm_sample_rows(const float* logits, int64_t stride, int64_t vocab, int6
       tokens[i] = row.temperature > 0.f ? sample_row(logits + r * stride, vocab, row, scratch) : -1;
     }
   }
+  return 0;
+}
+
+// values[r], indices[r] = the maximum of logits row r (`vocab` float32, rows `stride` apart)
+// and its first index, as torch's `max(dim=-1)` (`max_with_index`). Returns 0, or 1 on bad
+// arguments.
+int arborlm_row_max(const float* logits, int64_t stride, int64_t vocab, int64_t rows, float* values,
+                    int64_t* indices) {
+  if (vocab <= 0 || vocab > INT32_MAX - 64 || rows < 0 || stride < vocab) return 1;
+#pragma omp parallel for schedule(static) if (rows > 1)
+  for (int64_t r = 0; r < rows; ++r) max_with_index(logits + r * stride, vocab, values + r, indices + r);
   return 0;
 }
 

@@ -182,9 +182,9 @@ class DraftVerifier:
         row_reqs = [req for req, d in zip(reqs, drafts) for _ in range(len(d) + 1)]
         info = self._batch_info(row_reqs, logits.device)
         logits = self._process_logits(logits, info, row_reqs, reqs, drafts)
-        maxima, argmax_ids = row_max(logits)
+        maxima, argmax_ids = row_max(logits, self.native)
         if any(lazy):
-            self._check_greedy_targets(reqs, drafts, lazy, logits, maxima, argmax_ids)
+            self._check_greedy_targets(reqs, drafts, lazy, logits, maxima, argmax_ids, self.native)
         invalid = set(invalid_logit_rows(logits, maxima))
         argmax = argmax_ids.tolist()
         sampled = None if info.all_greedy else SampledRows(self._finite_rows(logits, invalid), info, self.native)
@@ -251,9 +251,10 @@ class DraftVerifier:
 
     @staticmethod
     def _check_greedy_targets(reqs: list[Req], drafts: list[list[int]], lazy: list[bool], logits: torch.Tensor,
-                              maxima: torch.Tensor, argmax_ids: torch.Tensor) -> None:
+                              maxima: torch.Tensor, argmax_ids: torch.Tensor, native: bool = True) -> None:
         """The greedy targets of the ``lazy`` chains (constrained, greedy, no logprobs) as if their
-        rows had been masked, updating ``logits``, ``maxima`` and ``argmax_ids`` in place.
+        rows had been masked, updating ``logits``, ``maxima`` and ``argmax_ids`` in place
+        (``native``: a masked row's maximum by the native sampler, as `row_max`).
 
         Row j's unmasked argmax is its masked argmax whenever the matcher after ``d[:j]``
         accepts it: it is the row's first maximum and stays one when the other tokens are
@@ -283,7 +284,7 @@ class DraftVerifier:
                                 mask = allocate_vocab_mask(logits.shape[0], logits.shape[-1])
                             grammar.fill_vocab_mask(mask, row)
                             apply_vocab_mask(logits, mask, [row])
-                            row_maxima, row_argmax = row_max(logits[row : row + 1])
+                            row_maxima, row_argmax = row_max(logits[row : row + 1], native)
                             maxima[row], argmax_ids[row] = row_maxima[0], row_argmax[0]
                             target = int(row_argmax[0])
                         if j == len(d) or target != d[j]:
