@@ -219,8 +219,9 @@ def make_engines(args, tmp: Path) -> dict[str, Any]:
                   random_seed=0, max_running_requests=64)
     engines = {"off": arborlm.Engine(**common)}
     if "ngram" in args.methods:
-        engines["ngram"] = arborlm.Engine(**common, speculative_algorithm="NGRAM",
-                                          speculative_num_draft_tokens=args.num_draft_tokens)
+        for k in args.num_draft_tokens:
+            name = "ngram" if len(args.num_draft_tokens) == 1 else f"ngram-{k}"
+            engines[name] = arborlm.Engine(**common, speculative_algorithm="NGRAM", speculative_num_draft_tokens=k)
     drafts = {}
     if "standalone" in args.methods:
         drafts["standalone"] = str(make_truncated_draft(args.model, args.draft_layers, tmp / "draft"))
@@ -251,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
                          "equal to speculation off's)")
     ap.add_argument("--seed", type=int, default=1000, help="the first request seed when --temperature > 0")
     ap.add_argument("--top-p", type=float, default=1.0, help="sampled requests' top_p")
-    ap.add_argument("--num-draft-tokens", type=int, default=6, help="NGRAM: speculative_num_draft_tokens")
+    ap.add_argument("--num-draft-tokens", type=int, nargs="+", default=[6],
+                    help="NGRAM: speculative_num_draft_tokens; several values: one NGRAM engine each (ngram-K), "
+                         "interleaved in the same run")
     ap.add_argument("--num-steps", type=int, default=3, help="STANDALONE: speculative_num_steps")
     ap.add_argument("--draft-layers", type=int, default=4, help="STANDALONE: decoder layers kept in the draft")
     ap.add_argument("--draft-self", action="store_true", help="also STANDALONE with the target as its own draft")
@@ -352,7 +355,7 @@ def markdown(rows: list[dict[str, Any]], args) -> str:
                 else "greedy")
     lines.append(f"\n{args.rounds} rounds per cell, median ratio of interleaved runs; {sampling}; dtype={args.dtype}, "
                  f"quantization={args.quantization or 'default'}, max_new_tokens={args.max_new_tokens}, "
-                 f"NGRAM speculative_num_draft_tokens={args.num_draft_tokens}, STANDALONE "
+                 f"NGRAM speculative_num_draft_tokens={'/'.join(map(str, args.num_draft_tokens))}, STANDALONE "
                  f"speculative_num_steps={args.num_steps} with the target's first {args.draft_layers} layers "
                  f"as draft{' (standalone-self: the target as its own draft)' if args.draft_self else ''}.")
     return "\n".join(lines)

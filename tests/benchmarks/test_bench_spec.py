@@ -80,3 +80,22 @@ def test_sampled_cells_give_each_request_its_own_seed():
     sessions = bench_spec.agent_sessions(engine, 2, seed=0, args=args)
     bench_spec.run_agent_cell(engine, sessions, {"temperature": 0.7, "seed": 5})
     assert [p["seed"] for p in engine.params] == [5, 6, 5, 6]  # session k's calls: seed 5 + k
+
+
+def test_several_draft_token_counts_get_one_ngram_engine_each(monkeypatch, tmp_path):
+    """``--num-draft-tokens 6 12``: engines off, ngram-6 and ngram-12, each NGRAM one with its count
+    (so the settings compare inside one interleaved run); one value keeps the name ``ngram``."""
+    made = []
+
+    def engine(**kwargs):
+        made.append(kwargs)
+        return kwargs
+
+    monkeypatch.setattr(bench_spec.arborlm, "Engine", engine)
+    args = argparse.Namespace(model=None, dtype="auto", quantization=None, methods=["ngram"], num_draft_tokens=[6, 12],
+                              draft_self=False)
+    engines = bench_spec.make_engines(args, tmp_path)
+    assert list(engines) == ["off", "ngram-6", "ngram-12"]
+    assert [e.get("speculative_num_draft_tokens") for e in engines.values()] == [None, 6, 12]
+    args.num_draft_tokens = [8]
+    assert list(bench_spec.make_engines(args, tmp_path)) == ["off", "ngram"]
