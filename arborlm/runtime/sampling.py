@@ -410,10 +410,9 @@ def invalid_logit_rows(logits: torch.Tensor, maxima: torch.Tensor | None = None)
     """
     if maxima is None:
         maxima = logits.amax(dim=-1)
-    bad = torch.isnan(maxima) | torch.isinf(maxima)  # max is NaN when any entry is NaN
-    if not bool(bad.any()):
-        return ()
-    return tuple(bad.nonzero().flatten().tolist())
+    # max is NaN when any entry is NaN. One host copy of B floats: the torch ops (isnan,
+    # isinf, or, any) took 0.1 ms of a batch-1 decode step, run right after the model.
+    return tuple(i for i, m in enumerate(maxima.tolist()) if not math.isfinite(m))
 
 
 class Sampler:
