@@ -529,6 +529,14 @@ void matmul(const Activations& a, int64_t M, int64_t K, const Weight& w, int64_t
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < tiles; ++t) {
     int64_t m0 = 0;
+#if defined(ARBORLM_QUANT_AVX512)
+    // Twice the rows per unpacked block where the call has them: 4-5% less time at 16 and 32
+    // rows over the default model's weights (`bench_quant_stream.py`, a 2-core AVX-512 VM).
+    // A row's sums are the same operations in any pass, so its bits do not change.
+    for (; m0 + 2 * kRowsPerPass <= M; m0 += 2 * kRowsPerPass) {
+      run_tile<F, 2 * kRowsPerPass>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype);
+    }
+#endif
     for (; m0 + kRowsPerPass <= M; m0 += kRowsPerPass) {
       run_tile<F, kRowsPerPass>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype);
     }
