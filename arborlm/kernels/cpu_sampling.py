@@ -56,6 +56,14 @@ def native_library() -> ctypes.CDLL | None:
     return cpu_ops.load_or_none(load_library, "native CPU sampler unavailable, using torch ops")
 
 
+def _check_logits(logits: torch.Tensor) -> None:
+    """ValueError unless ``logits`` is a (B, V) float32 CPU tensor with contiguous rows (what
+    every entry point of the library reads)."""
+    if logits.dtype != torch.float32 or not logits.is_cpu or logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError(f"logits: (B, V) float32 CPU rows expected, got {logits.dtype} {tuple(logits.shape)} "
+                         f"on {logits.device} with strides {logits.stride()}")
+
+
 def sample_rows(
     lib: ctypes.CDLL,
     logits: torch.Tensor,
@@ -85,9 +93,7 @@ def sample_rows(
     ValueError: ``logits`` is not a float32 CPU tensor with contiguous rows, or an argument
         is not of its dtype, contiguous and of its length.
     """
-    if logits.dtype != torch.float32 or not logits.is_cpu or logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError(f"logits: (B, V) float32 CPU rows expected, got {logits.dtype} {tuple(logits.shape)} "
-                         f"on {logits.device} with strides {logits.stride()}")
+    _check_logits(logits)
     n, batch = rows.numel(), logits.shape[0]
     expected = ((rows, torch.int64, n), (temperatures, torch.float32, batch), (top_ks, torch.int64, batch),
                 (top_ps, torch.float32, batch), (min_ps, torch.float32, batch), (uniforms, torch.float64, n))
@@ -117,9 +123,7 @@ def row_max(lib: ctypes.CDLL, logits: torch.Tensor) -> tuple[torch.Tensor, torch
     ValueError: ``logits`` is not a (B, V) float32 CPU tensor with contiguous rows, or V is
         0 or 2**31 - 64 or more.
     """
-    if logits.dtype != torch.float32 or not logits.is_cpu or logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError(f"logits: (B, V) float32 CPU rows expected, got {logits.dtype} {tuple(logits.shape)} "
-                         f"on {logits.device} with strides {logits.stride()}")
+    _check_logits(logits)
     rows = logits.shape[0]
     values, indices = torch.empty(rows, dtype=torch.float32), torch.empty(rows, dtype=torch.int64)
     if rows == 0:
@@ -178,8 +182,7 @@ def apply_penalties(
         penalties do not have one entry per row.
     """
     rows = logits.shape[0]
-    if logits.dtype != torch.float32 or not logits.is_cpu or logits.dim() != 2 or logits.stride(1) != 1:
-        raise ValueError(f"logits: (B, V) float32 CPU rows expected, got {logits.dtype} {tuple(logits.shape)}")
+    _check_logits(logits)
     lists = [output_ids_list] + ([prompt_ids_list] if prompt_ids_list is not None else [])
     penalties = [p for p in (repetition, frequency, presence) if p is not None]
     if any(len(x) != rows for x in lists) or any(p.numel() != rows for p in penalties):
