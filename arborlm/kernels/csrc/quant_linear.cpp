@@ -230,49 +230,75 @@ inline BlockScales block_scales(const Weight& w, int64_t t, int64_t nb, int64_t 
   return s;
 }
 
-// One 16-row tile x R activation rows: acc[r] lane l = y[m0 + r, 16 t + l].
+// With few rows two chains of `vpdpbusd` hide its latency; with more the rows
+// interleave, and one chain saves each row an add (integer sums: the same bits).
 template <int F, int R>
-void tile_rows(const Weight& w, int64_t t, int64_t nb, const Activations& a, int64_t K, int64_t m0, __m512* acc) {
-  // With few rows two chains of `vpdpbusd` hide its latency; with more the rows
-  // interleave, and one chain saves each row an add (integer sums: the same bits).
-  constexpr int kChains = (F == kQ6_K || R < 4) ? 2 : 1;
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  __m512 dsup = _mm512_setzero_ps(), msup = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    if constexpr (is_k_quant(F)) {
-      if (b % kSuper == 0) {  // a new super-block: its d (and dmin) for 16 rows
-        const int64_t sup = t * (nb / kSuper) + b / kSuper;
-        dsup = load_f16x16(w.d + sup * kTile);
-        if constexpr (F != kQ6_K) msup = load_f16x16(w.m + sup * kTile);
+constexpr int kChains = (F == kQ6_K || R < 4) ? 2 : 1;
+
+// Row m's sums over block b of T weight tiles at once (wq[u]: tile u's unpacked block,
+// sc[u] its scales): acc[u] += tile u's part of y[m, :]. Each activation broadcast
+// feeds the T tiles' `vpdpbusd`s: the broadcasts, not the `vpdpbusd`s, bound the
+// loop at one tile (docs/kernels.md). Every tile's operations are those of T = 1 in
+// the same order, so its bits do not depend on T.
+template <int F, int R, int T>
+inline void row_block(const __m512i (&wq)[T][8], const BlockScales (&sc)[T], const Activations& a, int64_t K,
+                      int64_t nb, int64_t b, int64_t m, __m512* const (&acc)[T]) {
+  constexpr int chains = kChains<F, R>;
+  const int8_t* x = a.q + m * K + b * kBlock;
+  const int32_t* s = a.s + (m * nb + b) * 2;
+  const __m512 da = _mm512_set1_ps(a.d[m * nb + b]);
+  __m512i dot[T][2];
+  for (int u = 0; u < T; ++u) dot[u][0] = dot[u][1] = _mm512_setzero_si512();
+  for (int c = 0; c < 8; ++c) {  // chunks 0-3 are values 0-15, 4-7 values 16-31
+    const __m512i xb = _mm512_set1_epi32(load_i32(x + 4 * c));
+    for (int u = 0; u < T; ++u) {
+      __m512i& chain = dot[u][chains == 2 ? c / 4 : 0];
+      chain = _mm512_dpbusd_epi32(chain, wq[u][c], xb);
+    }
+  }
+  for (int u = 0; u < T; ++u) {
+    __m512& out = *acc[u];
+    if constexpr (F == kQ6_K) {  // two scales: each half on its own
+      for (int h = 0; h < 2; ++h) {
+        const __m512i q = _mm512_sub_epi32(dot[u][h], _mm512_set1_epi32(quant_offset(F) * s[h]));
+        out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(sc[u].d[h], da), out);
+      }
+    } else {
+      __m512i q = chains == 2 ? _mm512_add_epi32(dot[u][0], dot[u][1]) : dot[u][0];
+      if constexpr (quant_offset(F) != 0) q = _mm512_sub_epi32(q, _mm512_set1_epi32(quant_offset(F) * (s[0] + s[1])));
+      out = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(sc[u].d[0], da), out);
+      if constexpr (F == kQ4_1 || F == kQ4_K || F == kQ5_K) {
+        out = _mm512_fmadd_ps(sc[u].min, _mm512_set1_ps(a.ds[m * nb + b]), out);
       }
     }
-    prefetch_block<F>(w, t * nb + b + kPrefetchBlocks);
-    __m512i wq[8];
-    unpack_block<F>(w, t * nb + b, wq);
-    const BlockScales sc = block_scales<F>(w, t, nb, b, dsup, msup);
+  }
+}
+
+// T adjacent 16-row tiles from t x R activation rows: acc[u * R + r] lane l = y[m0 + r, 16 (t + u) + l].
+template <int F, int R, int T>
+void tile_rows(const Weight& w, int64_t t, int64_t nb, const Activations& a, int64_t K, int64_t m0, __m512* acc) {
+  for (int i = 0; i < T * R; ++i) acc[i] = _mm512_setzero_ps();
+  __m512 dsup[T], msup[T];
+  for (int u = 0; u < T; ++u) dsup[u] = msup[u] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i wq[T][8];
+    BlockScales sc[T];
+    for (int u = 0; u < T; ++u) {
+      if constexpr (is_k_quant(F)) {
+        if (b % kSuper == 0) {  // a new super-block: its d (and dmin) for 16 rows
+          const int64_t sup = (t + u) * (nb / kSuper) + b / kSuper;
+          dsup[u] = load_f16x16(w.d + sup * kTile);
+          if constexpr (F != kQ6_K) msup[u] = load_f16x16(w.m + sup * kTile);
+        }
+      }
+      prefetch_block<F>(w, (t + u) * nb + b + kPrefetchBlocks);
+      unpack_block<F>(w, (t + u) * nb + b, wq[u]);
+      sc[u] = block_scales<F>(w, t + u, nb, b, dsup[u], msup[u]);
+    }
     for (int r = 0; r < R; ++r) {
-      const int64_t m = m0 + r;
-      const int8_t* x = a.q + m * K + b * kBlock;
-      const int32_t* s = a.s + (m * nb + b) * 2;
-      const __m512 da = _mm512_set1_ps(a.d[m * nb + b]);
-      __m512i dot[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
-      for (int c = 0; c < 8; ++c) {  // chunks 0-3 are values 0-15, 4-7 values 16-31
-        __m512i& chain = dot[kChains == 2 ? c / 4 : 0];
-        chain = _mm512_dpbusd_epi32(chain, wq[c], _mm512_set1_epi32(load_i32(x + 4 * c)));
-      }
-      if constexpr (F == kQ6_K) {  // two scales: each half on its own
-        for (int h = 0; h < 2; ++h) {
-          const __m512i q = _mm512_sub_epi32(dot[h], _mm512_set1_epi32(quant_offset(F) * s[h]));
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(sc.d[h], da), acc[r]);
-        }
-      } else {
-        __m512i q = kChains == 2 ? _mm512_add_epi32(dot[0], dot[1]) : dot[0];
-        if constexpr (quant_offset(F) != 0) q = _mm512_sub_epi32(q, _mm512_set1_epi32(quant_offset(F) * (s[0] + s[1])));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(sc.d[0], da), acc[r]);
-        if constexpr (F == kQ4_1 || F == kQ4_K || F == kQ5_K) {
-          acc[r] = _mm512_fmadd_ps(sc.min, _mm512_set1_ps(a.ds[m * nb + b]), acc[r]);
-        }
-      }
+      __m512* rows[T];
+      for (int u = 0; u < T; ++u) rows[u] = acc + u * R + r;
+      row_block<F, R, T>(wq, sc, a, K, nb, b, m0 + r, rows);
     }
   }
 }
@@ -304,16 +330,18 @@ inline void store_tile(__m512 y, const void* bias, int64_t n0, int64_t cols, voi
   }
 }
 
-template <int F, int R>
+// T adjacent tiles from t (T = 2 from 4 rows up where two tiles remain; see `row_block`).
+template <int F, int R, int T = 1>
 void run_tile(const Weight& w, int64_t t, int64_t nb, const Activations& a, int64_t K, int64_t m0, int64_t N,
               const void* bias, void* out, int64_t ldo, int dtype) {
-  __m512 acc[R];
-  tile_rows<F, R>(w, t, nb, a, K, m0, acc);
+  __m512 acc[T * R];
+  tile_rows<F, R, T>(w, t, nb, a, K, m0, acc);
   const int64_t elem = dtype == kF32 ? 4 : 2;
-  for (int r = 0; r < R; ++r) {
-    void* row = static_cast<char*>(out) + (m0 + r) * ldo * elem;
-    store_tile(acc[r], bias, t * kTile, N - t * kTile, row, dtype);
-  }
+  for (int u = 0; u < T; ++u)
+    for (int r = 0; r < R; ++r) {
+      void* row = static_cast<char*>(out) + (m0 + r) * ldo * elem;
+      store_tile(acc[u * R + r], bias, (t + u) * kTile, N - (t + u) * kTile, row, dtype);
+    }
 }
 #elif defined(ARBORLM_QUANT_AVX2)
 // ---- AVX2: each 16-row tile as two halves of 8 rows, one per 32-bit lane --------
@@ -522,34 +550,75 @@ void run_tile(const Weight& w, int64_t t, int64_t nb, const Activations& a, int6
 
 // ---- the layer ---------------------------------------------------------------
 
+#if defined(ARBORLM_QUANT_AVX512)
+template <int F, int R, int T>
+inline void run_pass(const Weight& w, int64_t t, int64_t nb, const Activations& a, int64_t K, int64_t m0, int64_t N,
+                     const void* bias, void* out, int64_t ldo, int dtype) {
+  run_tile<F, R, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype);
+}
+#else
+template <int F, int R, int T>
+inline void run_pass(const Weight& w, int64_t t, int64_t nb, const Activations& a, int64_t K, int64_t m0, int64_t N,
+                     const void* bias, void* out, int64_t ldo, int dtype) {
+  static_assert(T == 1, "tiles pair up on AVX-512 only");
+  run_tile<F, R>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype);
+}
+#endif
+
+// Every row of tile t: passes of kRowsPerPass rows, then the rest in one pass.
+template <int F>
+void run_rows(const Weight& w, int64_t t, int64_t nb, const Activations& a, int64_t m0, int64_t M, int64_t K,
+              int64_t N, const void* bias, void* out, int64_t ldo, int dtype) {
+  for (; m0 + kRowsPerPass <= M; m0 += kRowsPerPass)
+    run_pass<F, kRowsPerPass, 1>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype);
+  switch (M - m0) {
+    case 7: run_pass<F, 7, 1>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+    case 6: run_pass<F, 6, 1>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+    case 5: run_pass<F, 5, 1>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+    case 4: run_pass<F, 4, 1>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+    case 3: run_pass<F, 3, 1>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+    case 2: run_pass<F, 2, 1>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+    case 1: run_pass<F, 1, 1>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+    default: break;
+  }
+}
+
+// On AVX-512 VNNI a call of 16 rows or more runs them 16 per pass over two tiles at
+// once: each weight block is unpacked once for twice the rows, and each activation
+// broadcast feeds both tiles' `vpdpbusd`s (`row_block`). Over the default model's
+// weights (`bench_quant_stream.py`, a 2-core Ice Lake VM) 16 rows took 0.83x the time
+// of single tiles, 64 rows 0.82x; 4 and 8 rows took 1.05-1.12x (there the stream of
+// weights, not the broadcasts, is what a pass waits on), so fewer rows keep one tile.
+// A row's sums are the same operations in any pass, so its bits do not change.
+#if defined(ARBORLM_QUANT_AVX512)
+constexpr int64_t kWideRows = 2 * kRowsPerPass;
+constexpr int64_t kWideTiles = 2;
+// The first rows of a call of M that run in wide passes.
+inline int64_t wide_rows(int64_t M) { return M / kWideRows * kWideRows; }
+#else
+constexpr int64_t kWideRows = 0;  // no wide passes
+constexpr int64_t kWideTiles = 1;
+inline int64_t wide_rows(int64_t) { return 0; }
+#endif
+
 template <int F>
 void matmul(const Activations& a, int64_t M, int64_t K, const Weight& w, int64_t N, const void* bias, void* out,
             int64_t ldo, int dtype) {
   const int64_t nb = K / kBlock, tiles = (N + kTile - 1) / kTile;
+  const int64_t wide = wide_rows(M);
+  const int64_t per_group = wide > 0 ? kWideTiles : 1, groups = (tiles + per_group - 1) / per_group;
 #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < tiles; ++t) {
-    int64_t m0 = 0;
-#if defined(ARBORLM_QUANT_AVX512)
-    // Twice the rows per unpacked block where the call has them: 4-5% less time at 16 and 32
-    // rows over the default model's weights (`bench_quant_stream.py`, a 2-core AVX-512 VM).
-    // A row's sums are the same operations in any pass, so its bits do not change.
-    for (; m0 + 2 * kRowsPerPass <= M; m0 += 2 * kRowsPerPass) {
-      run_tile<F, 2 * kRowsPerPass>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t t = g * per_group, n = std::min(per_group, tiles - t);
+    if constexpr (kWideRows > 0) {
+      for (int64_t m0 = 0; m0 < wide; m0 += kWideRows) {
+        if (n == kWideTiles)
+          run_pass<F, kWideRows, kWideTiles>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype);
+        else
+          run_pass<F, kWideRows, 1>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype);
+      }
     }
-#endif
-    for (; m0 + kRowsPerPass <= M; m0 += kRowsPerPass) {
-      run_tile<F, kRowsPerPass>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype);
-    }
-    switch (M - m0) {
-      case 7: run_tile<F, 7>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
-      case 6: run_tile<F, 6>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
-      case 5: run_tile<F, 5>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
-      case 4: run_tile<F, 4>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
-      case 3: run_tile<F, 3>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
-      case 2: run_tile<F, 2>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
-      case 1: run_tile<F, 1>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
-      default: break;
-    }
+    for (int64_t u = 0; u < n; ++u) run_rows<F>(w, t + u, nb, a, wide, M, K, N, bias, out, ldo, dtype);
   }
 }
 
