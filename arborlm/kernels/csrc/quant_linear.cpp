@@ -20,7 +20,9 @@
 //
 // OpenMP splits the row tiles; each thread streams its tiles' weights once per
 // call, prefetching kPrefetchBlocks blocks ahead, unpacking each block into registers
-// once for up to kRowsPerPass activation rows (decode batches fit in L2). Builds without AVX-512 VNNI but with
+// once for up to kRowsPerPass activation rows (decode batches fit in L2); on AVX-512
+// VNNI calls of 16 rows or more pass over two tiles at once, so that each activation
+// broadcast feeds two `vpdpbusd`s (`kWideRows`). Builds without AVX-512 VNNI but with
 // AVX2 take the same integer sums in 8-row halves of each tile, llama.cpp's AVX2 way
 // (`vpmaddubsw` pairs of uint8 x int8 products into int16, then `vpmaddwd` into int32;
 // Q8_0's signed weights through the sign trick so that no pair saturates); others
