@@ -332,7 +332,7 @@ inline void store_tile(__m512 y, const void* bias, int64_t n0, int64_t cols, voi
   }
 }
 
-// T adjacent tiles from t (T = 2 from 4 rows up where two tiles remain; see `row_block`).
+// T adjacent tiles from t (T = 2: a wide pass, `kWideRows`; see `row_block`).
 template <int F, int R, int T = 1>
 void run_tile(const Weight& w, int64_t t, int64_t nb, const Activations& a, int64_t K, int64_t m0, int64_t N,
               const void* bias, void* out, int64_t ldo, int dtype) {
