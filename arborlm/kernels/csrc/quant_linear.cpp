@@ -609,7 +609,13 @@ void matmul(const Activations& a, int64_t M, int64_t K, const Weight& w, int64_t
   const int64_t nb = K / kBlock, tiles = (N + kTile - 1) / kTile;
   const int64_t wide = wide_rows(M);
   const int64_t per_group = wide > 0 ? kWideTiles : 1, groups = (tiles + per_group - 1) / per_group;
-#pragma omp parallel for schedule(static)
+  // guided: each thread first takes a long contiguous run of tiles (one weight stream, as
+  // with static), then ever smaller pieces, so a thread the VM slowed down does not hold
+  // the other at the barrier; static measured 1.0-1.13x guided's time at 1-32 rows
+  // (`bench_quant_stream.py`, 2-core Ice Lake VM), dynamic chunks of 2 or 4 groups
+  // 1.04-1.15x static's (they break the streams). Which thread runs a tile never changes
+  // its bits.
+#pragma omp parallel for schedule(guided)
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t t = g * per_group, n = std::min(per_group, tiles - t);
     if constexpr (kWideRows > 0) {
