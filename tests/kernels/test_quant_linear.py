@@ -151,16 +151,16 @@ def test_native_linear_rows_do_not_depend_on_each_other(native_ops, fmt):
 @pytest.mark.parametrize("fmt", list(GGML_TYPES))
 @pytest.mark.parametrize("out_features", [16, 32, 45])
 def test_native_linear_wide_passes_keep_each_rows_bits(native_ops, fmt, out_features):
-    """Calls of 16 rows or more run 16-row passes over two weight tiles at once on AVX-512
-    VNNI (`kWideRows`), one tile where a single tile is left (1, 2 and 3 tiles here, the
-    last one partial at 45): every row's output is the bits of that row run alone, and of
-    calls cut anywhere around the 16-row passes."""
+    """Calls of 10 rows or more run their passes (16, 8 and the rest) over two weight tiles
+    at once on AVX-512 VNNI (`kPairFromRows`), one tile where a single tile is left (1, 2
+    and 3 tiles here, the last one partial at 45): every row's output is the bits of that
+    row run alone, and of calls cut anywhere around the passes, paired or not."""
     weight, _ = packed(fmt, out_features, width(fmt))
     x = inputs(40, width(fmt))
     full = native_ops.linear(x, [weight])
     for row in (0, 15, 16, 31, 32, 39):
         assert torch.equal(native_ops.linear(x[row:row + 1], [weight]), full[row:row + 1]), row
-    for lo, hi in ((0, 16), (0, 17), (0, 32), (8, 40), (1, 33)):
+    for lo, hi in ((0, 9), (0, 10), (3, 15), (0, 16), (0, 17), (0, 32), (8, 40), (1, 33)):
         assert torch.equal(native_ops.linear(x[lo:hi], [weight]), full[lo:hi]), (lo, hi)
 
 

@@ -21,8 +21,8 @@
 // OpenMP splits the row tiles; each thread streams its tiles' weights once per
 // call, prefetching kPrefetchBlocks blocks ahead, unpacking each block into registers
 // once for up to kRowsPerPass activation rows (decode batches fit in L2); on AVX-512
-// VNNI calls of 16 rows or more pass over two tiles at once, so that each activation
-// broadcast feeds two `vpdpbusd`s (`kWideRows`). Builds without AVX-512 VNNI but with
+// VNNI calls of 10 rows or more pass over two tiles at once, so that each activation
+// broadcast feeds two `vpdpbusd`s (`kPairFromRows`). Builds without AVX-512 VNNI but with
 // AVX2 take the same integer sums in 8-row halves of each tile, llama.cpp's AVX2 way
 // (`vpmaddubsw` pairs of uint8 x int8 products into int16, then `vpmaddwd` into int32;
 // Q8_0's signed weights through the sign trick so that no pair saturates); others
@@ -332,7 +332,7 @@ inline void store_tile(__m512 y, const void* bias, int64_t n0, int64_t cols, voi
   }
 }
 
-// T adjacent tiles from t (T = 2: a wide pass, `kWideRows`; see `row_block`).
+// T adjacent tiles from t (T = 2: paired tiles, `kPairFromRows`; see `row_block`).
 template <int F, int R, int T = 1>
 void run_tile(const Weight& w, int64_t t, int64_t nb, const Activations& a, int64_t K, int64_t m0, int64_t N,
               const void* bias, void* out, int64_t ldo, int dtype) {
@@ -567,48 +567,53 @@ inline void run_pass(const Weight& w, int64_t t, int64_t nb, const Activations& 
 }
 #endif
 
-// Every row of tile t: passes of kRowsPerPass rows, then the rest in one pass.
-template <int F>
-void run_rows(const Weight& w, int64_t t, int64_t nb, const Activations& a, int64_t m0, int64_t M, int64_t K,
-              int64_t N, const void* bias, void* out, int64_t ldo, int dtype) {
+// Every row of tiles [t, t + T): passes of 2 kRowsPerPass rows (AVX-512), then of
+// kRowsPerPass, then the rest in one pass.
+template <int F, int T>
+void run_rows(const Weight& w, int64_t t, int64_t nb, const Activations& a, int64_t M, int64_t K, int64_t N,
+              const void* bias, void* out, int64_t ldo, int dtype) {
+  int64_t m0 = 0;
+#if defined(ARBORLM_QUANT_AVX512)
+  // Twice the rows per unpacked block where the call has them: 4-5% less time at 16 and 32
+  // rows over the default model's weights (`bench_quant_stream.py`, a 2-core AVX-512 VM).
+  for (; m0 + 2 * kRowsPerPass <= M; m0 += 2 * kRowsPerPass)
+    run_pass<F, 2 * kRowsPerPass, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype);
+#endif
   for (; m0 + kRowsPerPass <= M; m0 += kRowsPerPass)
-    run_pass<F, kRowsPerPass, 1>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype);
+    run_pass<F, kRowsPerPass, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype);
   switch (M - m0) {
-    case 7: run_pass<F, 7, 1>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
-    case 6: run_pass<F, 6, 1>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
-    case 5: run_pass<F, 5, 1>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
-    case 4: run_pass<F, 4, 1>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
-    case 3: run_pass<F, 3, 1>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
-    case 2: run_pass<F, 2, 1>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
-    case 1: run_pass<F, 1, 1>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+    case 7: run_pass<F, 7, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+    case 6: run_pass<F, 6, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+    case 5: run_pass<F, 5, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+    case 4: run_pass<F, 4, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+    case 3: run_pass<F, 3, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+    case 2: run_pass<F, 2, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+    case 1: run_pass<F, 1, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
     default: break;
   }
 }
 
-// On AVX-512 VNNI a call of 16 rows or more runs them 16 per pass over two tiles at
-// once: each weight block is unpacked once for twice the rows, and each activation
-// broadcast feeds both tiles' `vpdpbusd`s (`row_block`). Over the default model's
-// weights (`bench_quant_stream.py`, a 2-core Ice Lake VM) 16 rows took 0.83x the time
-// of single tiles, 64 rows 0.82x; 4 and 8 rows took 1.05-1.12x (there the stream of
-// weights, not the broadcasts, is what a pass waits on), so fewer rows keep one tile.
-// A row's sums are the same operations in any pass, so its bits do not change.
+// On AVX-512 VNNI a call of kPairFromRows rows or more runs every pass over two adjacent
+// tiles at once: each activation broadcast feeds both tiles' `vpdpbusd`s (`row_block`),
+// where one tile's loop waits on the broadcasts. Over the default model's weights
+// (`bench_quant_stream.py`, a 2-core Ice Lake VM) two tiles took 0.81-0.90x one tile's
+// time at 16-128 rows and 0.85-0.96x at 10-12; from 4 to 9 rows no gain could be told
+// from that benchmark's own offset between two builds (up to 7 %, the same code on both
+// sides), so fewer rows keep one tile. A row's sums are the same operations in any pass,
+// so its bits do not change.
 #if defined(ARBORLM_QUANT_AVX512)
-constexpr int64_t kWideRows = 2 * kRowsPerPass;
-constexpr int64_t kWideTiles = 2;
-// The first rows of a call of M that run in wide passes.
-inline int64_t wide_rows(int64_t M) { return M / kWideRows * kWideRows; }
+constexpr int64_t kPairFromRows = 10;
+constexpr bool kPairTiles = true;
 #else
-constexpr int64_t kWideRows = 0;  // no wide passes
-constexpr int64_t kWideTiles = 1;
-inline int64_t wide_rows(int64_t) { return 0; }
+constexpr int64_t kPairFromRows = 0;  // never: one tile per pass
+constexpr bool kPairTiles = false;
 #endif
 
 template <int F>
 void matmul(const Activations& a, int64_t M, int64_t K, const Weight& w, int64_t N, const void* bias, void* out,
             int64_t ldo, int dtype) {
   const int64_t nb = K / kBlock, tiles = (N + kTile - 1) / kTile;
-  const int64_t wide = wide_rows(M);
-  const int64_t per_group = wide > 0 ? kWideTiles : 1, groups = (tiles + per_group - 1) / per_group;
+  const int64_t per_group = kPairTiles && M >= kPairFromRows ? 2 : 1, groups = (tiles + per_group - 1) / per_group;
   // guided: each thread first takes a long contiguous run of tiles (one weight stream, as
   // with static), then ever smaller pieces, so a thread the VM slowed down does not hold
   // the other at the barrier; static measured 1.0-1.13x guided's time at 1-32 rows
@@ -618,15 +623,13 @@ void matmul(const Activations& a, int64_t M, int64_t K, const Weight& w, int64_t
 #pragma omp parallel for schedule(guided)
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t t = g * per_group, n = std::min(per_group, tiles - t);
-    if constexpr (kWideRows > 0) {
-      for (int64_t m0 = 0; m0 < wide; m0 += kWideRows) {
-        if (n == kWideTiles)
-          run_pass<F, kWideRows, kWideTiles>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype);
-        else
-          run_pass<F, kWideRows, 1>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype);
+    if constexpr (kPairTiles) {
+      if (n == 2) {
+        run_rows<F, 2>(w, t, nb, a, M, K, N, bias, out, ldo, dtype);
+        continue;
       }
     }
-    for (int64_t u = 0; u < n; ++u) run_rows<F>(w, t + u, nb, a, wide, M, K, N, bias, out, ldo, dtype);
+    for (int64_t u = 0; u < n; ++u) run_rows<F, 1>(w, t + u, nb, a, M, K, N, bias, out, ldo, dtype);
   }
 }
 
