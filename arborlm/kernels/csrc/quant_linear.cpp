@@ -238,13 +238,13 @@ template <int F, int R>
 constexpr int kChains = (F == kQ6_K || R < 4) ? 2 : 1;
 
 // Row m's sums over block b of T weight tiles at once (wq[u]: tile u's unpacked block,
-// sc[u] its scales): acc[u] += tile u's part of y[m, :]. Each activation broadcast
+// sc[u] its scales): acc[u * stride] += tile u's part of y[m, :]. Each activation broadcast
 // feeds the T tiles' `vpdpbusd`s: the broadcasts, not the `vpdpbusd`s, bound the
 // loop at one tile (docs/kernels.md). Every tile's operations are those of T = 1 in
 // the same order, so its bits do not depend on T.
 template <int F, int R, int T>
 inline void row_block(const __m512i (&wq)[T][8], const BlockScales (&sc)[T], const Activations& a, int64_t K,
-                      int64_t nb, int64_t b, int64_t m, __m512* const (&acc)[T]) {
+                      int64_t nb, int64_t b, int64_t m, __m512* acc, int stride) {
   constexpr int chains = kChains<F, R>;
   const int8_t* x = a.q + m * K + b * kBlock;
   const int32_t* s = a.s + (m * nb + b) * 2;
@@ -259,7 +259,7 @@ inline void row_block(const __m512i (&wq)[T][8], const BlockScales (&sc)[T], con
     }
   }
   for (int u = 0; u < T; ++u) {
-    __m512& out = *acc[u];
+    __m512& out = acc[u * stride];
     if constexpr (F == kQ6_K) {  // two scales: each half on its own
       for (int h = 0; h < 2; ++h) {
         const __m512i q = _mm512_sub_epi32(dot[u][h], _mm512_set1_epi32(quant_offset(F) * s[h]));
@@ -297,11 +297,7 @@ void tile_rows(const Weight& w, int64_t t, int64_t nb, const Activations& a, int
       unpack_block<F>(w, (t + u) * nb + b, wq[u]);
       sc[u] = block_scales<F>(w, t + u, nb, b, dsup[u], msup[u]);
     }
-    for (int r = 0; r < R; ++r) {
-      __m512* rows[T];
-      for (int u = 0; u < T; ++u) rows[u] = acc + u * R + r;
-      row_block<F, R, T>(wq, sc, a, K, nb, b, m0 + r, rows);
-    }
+    for (int r = 0; r < R; ++r) row_block<F, R, T>(wq, sc, a, K, nb, b, m0 + r, acc + r, R);
   }
 }
 
@@ -503,9 +499,10 @@ void half_tile_rows(const Weight& w, int64_t t, int64_t nb, const Activations& a
   }
 }
 
-template <int F, int R>
+template <int F, int R, int T = 1>
 void run_tile(const Weight& w, int64_t t, int64_t nb, const Activations& a, int64_t K, int64_t m0, int64_t N,
               const void* bias, void* out, int64_t ldo, int dtype) {
+  static_assert(T == 1, "tiles pair up on AVX-512 VNNI only");
   for (int half = 0; half < 2; ++half) {
     const int64_t n0 = t * kTile + 8 * half, cols = std::min<int64_t>(8, N - n0);
     if (cols <= 0) return;
@@ -540,9 +537,10 @@ float dot(const Weight& w, int64_t n, int64_t nb, const Activations& a, int64_t 
   return acc;
 }
 
-template <int F, int R>
+template <int F, int R, int T = 1>
 void run_tile(const Weight& w, int64_t t, int64_t nb, const Activations& a, int64_t K, int64_t m0, int64_t N,
               const void* bias, void* out, int64_t ldo, int dtype) {
+  static_assert(T == 1, "tiles pair up on AVX-512 VNNI only");
   for (int64_t n = t * kTile; n < std::min(N, (t + 1) * kTile); ++n) {
     const float bn = bias == nullptr ? 0.0f : load_value(bias, dtype, n);
     for (int r = 0; r < R; ++r) store_value(out, dtype, (m0 + r) * ldo + n, dot<F>(w, n, nb, a, m0 + r, K) + bn);
@@ -551,21 +549,6 @@ void run_tile(const Weight& w, int64_t t, int64_t nb, const Activations& a, int6
 #endif
 
 // ---- the layer ---------------------------------------------------------------
-
-#if defined(ARBORLM_QUANT_AVX512)
-template <int F, int R, int T>
-inline void run_pass(const Weight& w, int64_t t, int64_t nb, const Activations& a, int64_t K, int64_t m0, int64_t N,
-                     const void* bias, void* out, int64_t ldo, int dtype) {
-  run_tile<F, R, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype);
-}
-#else
-template <int F, int R, int T>
-inline void run_pass(const Weight& w, int64_t t, int64_t nb, const Activations& a, int64_t K, int64_t m0, int64_t N,
-                     const void* bias, void* out, int64_t ldo, int dtype) {
-  static_assert(T == 1, "tiles pair up on AVX-512 only");
-  run_tile<F, R>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype);
-}
-#endif
 
 // Every row of tiles [t, t + T): passes of 2 kRowsPerPass rows (AVX-512), then of
 // kRowsPerPass, then the rest in one pass.
@@ -577,18 +560,18 @@ void run_rows(const Weight& w, int64_t t, int64_t nb, const Activations& a, int6
   // Twice the rows per unpacked block where the call has them: 4-5% less time at 16 and 32
   // rows over the default model's weights (`bench_quant_stream.py`, a 2-core AVX-512 VM).
   for (; m0 + 2 * kRowsPerPass <= M; m0 += 2 * kRowsPerPass)
-    run_pass<F, 2 * kRowsPerPass, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype);
+    run_tile<F, 2 * kRowsPerPass, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype);
 #endif
   for (; m0 + kRowsPerPass <= M; m0 += kRowsPerPass)
-    run_pass<F, kRowsPerPass, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype);
+    run_tile<F, kRowsPerPass, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype);
   switch (M - m0) {
-    case 7: run_pass<F, 7, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
-    case 6: run_pass<F, 6, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
-    case 5: run_pass<F, 5, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
-    case 4: run_pass<F, 4, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
-    case 3: run_pass<F, 3, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
-    case 2: run_pass<F, 2, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
-    case 1: run_pass<F, 1, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+    case 7: run_tile<F, 7, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+    case 6: run_tile<F, 6, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+    case 5: run_tile<F, 5, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+    case 4: run_tile<F, 4, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+    case 3: run_tile<F, 3, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+    case 2: run_tile<F, 2, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
+    case 1: run_tile<F, 1, T>(w, t, nb, a, K, m0, N, bias, out, ldo, dtype); break;
     default: break;
   }
 }
@@ -603,17 +586,15 @@ void run_rows(const Weight& w, int64_t t, int64_t nb, const Activations& a, int6
 // so its bits do not change.
 #if defined(ARBORLM_QUANT_AVX512)
 constexpr int64_t kPairFromRows = 10;
-constexpr bool kPairTiles = true;
 #else
-constexpr int64_t kPairFromRows = 0;  // never: one tile per pass
-constexpr bool kPairTiles = false;
+constexpr int64_t kPairFromRows = 0;  // 0: one tile per pass
 #endif
 
 template <int F>
 void matmul(const Activations& a, int64_t M, int64_t K, const Weight& w, int64_t N, const void* bias, void* out,
             int64_t ldo, int dtype) {
   const int64_t nb = K / kBlock, tiles = (N + kTile - 1) / kTile;
-  const int64_t per_group = kPairTiles && M >= kPairFromRows ? 2 : 1, groups = (tiles + per_group - 1) / per_group;
+  const int64_t per_group = kPairFromRows > 0 && M >= kPairFromRows ? 2 : 1, groups = (tiles + per_group - 1) / per_group;
   // guided: each thread first takes a long contiguous run of tiles (one weight stream, as
   // with static), then ever smaller pieces, so a thread the VM slowed down does not hold
   // the other at the barrier; static measured 1.0-1.13x guided's time at 1-32 rows
@@ -623,7 +604,7 @@ void matmul(const Activations& a, int64_t M, int64_t K, const Weight& w, int64_t
 #pragma omp parallel for schedule(guided)
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t t = g * per_group, n = std::min(per_group, tiles - t);
-    if constexpr (kPairTiles) {
+    if constexpr (kPairFromRows > 0) {
       if (n == 2) {
         run_rows<F, 2>(w, t, nb, a, M, K, N, bias, out, ldo, dtype);
         continue;
