@@ -455,5 +455,30 @@ def test_a_replaced_weight_rebuilds_the_layer_params(family_dirs, monkeypatch):
     rebuilt = fd._layer_stack(layers)
     assert rebuilt is not stack
     assert rebuilt.layers[0] is stack.layers[0] and rebuilt.layers[1] is not stack.layers[1]
+    assert fd._layer_stack(layers) is rebuilt  # and stands again
     on, off, calls = _greedy_on_off(loaded, torch.float32, PROMPTS[:1], 4, monkeypatch)
     assert calls > 0 and on == off  # the fused path follows the replaced weight
+
+
+def test_a_replaced_layer_or_projection_rebuilds_the_stack(family_dirs, monkeypatch):
+    """The stack's per-step check also sees modules replaced, not only weights re-packed:
+    two decoder layers swapped in the model's `ModuleList`, then two layers' o_proj modules
+    swapped, each time the stack follows, and greedy tokens stay the unfused path's."""
+    from arborlm.runtime.model_loader import load_model
+
+    loaded = load_model(family_dirs["llama"], torch.float32, torch.device("cpu"), quantization="int8")
+    fd, layers = loaded.model.model.fused_decode, loaded.model.model.layers
+    assert len(layers) >= 2
+    stack = fd._layer_stack(layers)
+    assert stack is not None
+    layers[0], layers[1] = layers[1], layers[0]
+    swapped = fd._layer_stack(layers)
+    assert swapped is not stack
+    assert swapped.layers[0] is stack.layers[1] and swapped.layers[1] is stack.layers[0]
+    first, second = layers[0].self_attn, layers[1].self_attn
+    first.o_proj, second.o_proj = second.o_proj, first.o_proj
+    again = fd._layer_stack(layers)
+    assert again is not swapped and again.layers[0] is not swapped.layers[0]
+    assert fd._layer_stack(layers) is again
+    on, off, calls = _greedy_on_off(loaded, torch.float32, PROMPTS[:1], 4, monkeypatch)
+    assert calls > 0 and on == off
