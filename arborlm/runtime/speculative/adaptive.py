@@ -11,8 +11,12 @@ The rule is SmartSpec's goodput (Liu et al. 2024, "Optimizing Speculative
 Decoding for Serving Large Language Models Using Goodput", arXiv 2406.14066),
 over this engine's own measurements:
 
-* Per request, a token acceptance rate ``a`` (an exponentially weighted
-  estimate, `AcceptanceEstimate`). Taking draft tokens ``1..k`` it expects
+* Per draft, a token acceptance rate ``a`` (an exponentially weighted
+  estimate, `AcceptanceEstimate`): an n-gram draft's is that of its source,
+  shared by every request (`ngram.NgramDrafter.propose_sourced`: a suffix of
+  4 tokens matched in the request's own tokens, 2 tokens, a value looked up
+  on the prompt's text ...), which predicts acceptance far better than the
+  request's own history; a draft model's is its request's. Taking draft tokens ``1..k`` it expects
   ``1 + a + a^2 + ... + a^k`` tokens from the verify step (each draft token is
   kept only if all before it were; Leviathan et al. 2023), so the j-th draft
   token is worth ``a^j`` tokens.
@@ -30,10 +34,10 @@ decodes plainly (to time that). Both kinds are re-timed now and then: after
 ``explore_every`` steps without a plain decode step, the next one decodes
 plainly, and after as many without a verify step, the next one with drafts
 verifies them all, so neither estimate goes stale because the policy stopped
-choosing its kind (a slow step seen once would otherwise keep drafting off). A request whose drafts are rejected
-stops drafting; while it does not draft its estimate drifts back toward the
-prior (`AcceptanceEstimate.forget`), so a request that starts copying later is
-tried again, when the batch's cost allows it.
+choosing its kind (a slow step seen once would otherwise keep drafting off). A source (or
+request) whose drafts are rejected stops drafting; while it does not draft its estimate
+drifts back toward the prior (`AcceptanceEstimate.forget`), so drafts that start to be
+accepted later are tried again, when the batch's cost allows it.
 """
 
 from __future__ import annotations
@@ -49,9 +53,11 @@ class AdaptiveConfig:
 
     prior_rate, prior_weight: a new request's acceptance rate and how many draft
         tokens' worth of evidence it counts as.
-    rate_decay: weight an acceptance estimate keeps per verify step of its request.
-    forget: per decode step a request is not verified, the share of its evidence kept
-        (the rest returns to the prior).
+    rate_decay: weight a request's acceptance estimate keeps per verify step of its request.
+    source_decay: weight a draft source's estimate (shared by every request's drafts
+        of that source, several per step) keeps per verify result it counts.
+    forget: per decode step a request (a source) is not verified, the share of its
+        evidence kept (the rest returns to the prior).
     cost_decay: weight a step-time model keeps per step timed.
     explore_every: after this many timed steps without a plain decode step (a verify
         step), the next step that may be one is (so ``T_d`` and ``T_v`` stay measured).
@@ -60,12 +66,13 @@ class AdaptiveConfig:
     prior_rate: float = 0.6
     prior_weight: float = 1.0
     rate_decay: float = 0.7
+    source_decay: float = 0.95
     forget: float = 0.95
     cost_decay: float = 0.9
     explore_every: int = 16
 
     def __post_init__(self):
-        for name in ("prior_rate", "rate_decay", "forget", "cost_decay"):
+        for name in ("prior_rate", "rate_decay", "source_decay", "forget", "cost_decay"):
             value = getattr(self, name)
             if not 0.0 < value < 1.0:
                 raise ValueError(f"{name}={value!r} must be in (0, 1)")
@@ -85,6 +92,7 @@ class AcceptanceEstimate:
     """
 
     config: AdaptiveConfig
+    decay: float | None = None  # weight kept per observation (None: config.rate_decay)
     accepted: float = field(init=False)
     tried: float = field(init=False)
 
@@ -101,7 +109,7 @@ class AcceptanceEstimate:
         """Count one verify step: ``num_accepted`` of ``draft_len`` draft tokens kept."""
         if draft_len <= 0:
             return
-        decay = self.config.rate_decay
+        decay = self.config.rate_decay if self.decay is None else self.decay
         self.accepted = decay * self.accepted + num_accepted
         self.tried = decay * self.tried + min(draft_len, num_accepted + 1)
 
@@ -195,6 +203,10 @@ class AdaptivePolicy:
         """A new request's acceptance estimate (the prior)."""
         return AcceptanceEstimate(self.config)
 
+    def new_source_estimate(self) -> AcceptanceEstimate:
+        """A draft source's acceptance estimate (the prior; ``source_decay`` per observation)."""
+        return AcceptanceEstimate(self.config, decay=self.config.source_decay)
+
     def plan(self, max_lens: Sequence[int], rates: Sequence[float]) -> list[int]:
         """The draft length of each request of a decode step (0: it does not draft).
 
@@ -205,7 +217,7 @@ class AdaptivePolicy:
         Parameters
         ----------
         max_lens: per request, the longest draft it has or may take (tokens).
-        rates: per request, its estimated acceptance rate in (0, 1).
+        rates: per request, its draft's estimated acceptance rate in (0, 1).
 
         Returns
         -------

@@ -14,7 +14,8 @@ Adaptive switch: no drafting at all while the decode batch holds
 ``speculative_disable_by_batch_size`` requests or more (a large batch is
 compute-bound, and verify work is then no longer free); below that, the
 cost-aware `adaptive.AdaptivePolicy` decides how many of the proposed draft
-tokens each request takes (0: none), from each request's measured acceptance
+tokens each request takes (0: none), from the measured acceptance of each
+draft's source (shared by every request: `ngram.NgramDrafter.propose_sourced`)
 and the measured times of plain decode and verify steps.
 """
 
@@ -37,7 +38,8 @@ class SpecReqState:
     """Drafting state of one request (kept on `Req.spec_state`)."""
 
     index: PromptLookupIndex | None  # NGRAM's prompt lookup (None for a draft model)
-    acceptance: AcceptanceEstimate  # its draft tokens' estimated acceptance rate
+    acceptance: AcceptanceEstimate  # its drafts' estimated acceptance rate, for drafts without a source
+    source: str | None = None  # where this step's draft came from (`Speculator.sources`); None: a draft model's
     last_draft_len: int = 0
     text: TextLookup | None = None  # NGRAM's prompt lookup on text (None: without a tokenizer)
 
@@ -91,6 +93,9 @@ class Speculator:
     def __post_init__(self):
         cfg = self.config
         self._structural: list[int] | None = None
+        # Acceptance per draft source (`NgramDrafter.propose_sourced`'s names, and "structural"),
+        # shared by every request: a handful of keys (sources x match lengths).
+        self.sources: dict[str, AcceptanceEstimate] = {}
         self.drafter = NgramDrafter(cfg.speculative_ngram_min_match_window_size,
                                     cfg.speculative_ngram_max_match_window_size,
                                     cfg.speculative_ngram_capacity, cfg.speculative_num_draft_tokens, self.tokenizer)
@@ -135,13 +140,16 @@ class Speculator:
         a request that takes none counts a step without evidence (`AcceptanceEstimate.forget`)."""
         states = [self._state(req) for req in reqs]
         if self.config.speculative_adaptive:
-            lens = self.policy.plan(max_lens, [s.acceptance.rate for s in states])
+            lens = self.policy.plan(max_lens, [self._estimate(s).rate for s in states])
         else:
             lens = list(max_lens)
         for state, n in zip(states, lens):
             state.last_draft_len = n
-            if n == 0:
+            if n == 0 and state.source is None:
                 state.acceptance.forget()
+        taken = {s.source for s, n in zip(states, lens) if n}
+        for source in {s.source for s in states if s.source is not None} - taken:
+            self._source_estimate(source).forget()  # once per step, however many requests offered its drafts
         if any(max_lens) and not any(lens):
             self.stats.num_cost_skipped_batches += 1
         return lens
@@ -151,12 +159,24 @@ class Speculator:
         if room <= 0:
             return []
         state = req.spec_state
-        draft = self.drafter.propose(state.index, req.fill_ids, room, state.text)
+        draft, state.source = self.drafter.propose_sourced(state.index, req.fill_ids, room, state.text)
         if req.grammar is not None:
             draft = grammatical_prefix(req.grammar, draft)
             if not draft and self.tokenizer is not None:
-                draft = structural_draft(req.grammar, self._structural_ids())
+                draft, state.source = structural_draft(req.grammar, self._structural_ids()), "structural"
+        if not draft:
+            state.source = None
         return draft
+
+    def _estimate(self, state: SpecReqState) -> AcceptanceEstimate:
+        """The acceptance estimate of the request's current draft: its source's, else its own."""
+        return state.acceptance if state.source is None else self._source_estimate(state.source)
+
+    def _source_estimate(self, source: str) -> AcceptanceEstimate:
+        estimate = self.sources.get(source)
+        if estimate is None:
+            estimate = self.sources[source] = self.policy.new_source_estimate()
+        return estimate
 
     def _structural_ids(self) -> list[int]:
         """The single-token ids of `STRUCTURAL_TEXTS` in this tokenizer (computed once)."""
@@ -178,7 +198,8 @@ class Speculator:
         The verify step emits up to len(draft) + 1 tokens: never past
         ``max_new_tokens`` or the context, and never more than ``free_slots``.
         """
-        self._state(req).last_draft_len = 0
+        state = self._state(req)
+        state.last_draft_len, state.source = 0, None
         if req.to_abort or free_slots <= 0:
             return 0
         room = min(req.remaining_new_tokens, self.context_length - req.seqlen) - 1
@@ -204,7 +225,7 @@ class Speculator:
         self.stats.num_accepted_draft_tokens += accepted
         self.stats.num_emitted_tokens += num_emitted
         if req.spec_state is not None:
-            req.spec_state.acceptance.observe(draft_len, accepted)
+            self._estimate(req.spec_state).observe(draft_len, accepted)
 
     def on_finished(self, req: Req) -> None:
         """Index a finished request's output for the others and drop its drafting state."""

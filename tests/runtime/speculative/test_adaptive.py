@@ -212,3 +212,86 @@ def test_the_switch_never_loses_much_and_keeps_outputs(workload, step_seconds, o
         assert info["spec_num_accepted_tokens"] > 0
     else:
         assert info["spec_num_cost_skipped_batches"] > 0
+
+
+
+def phased_script(rid: str, length: int = 90) -> tuple[list[int], list[int]]:
+    """(prompt, output): requests r0-r2 copy 6-token phrases of their prompts throughout;
+    r3-r5 first repeat ``A B x`` triples (``A B`` recurs with a new ``x``: every draft, a
+    2-token match, wrong), then copy their phrases too."""
+    i = int(rid[1:])
+    phrases = [[1000 + 100 * i + 10 * p + j for j in range(6)] for p in range(3)]
+    prompt = [t for phrase in phrases for t in phrase] + [7, 8]
+    out: list[int] = []
+    x = 5000 + 100 * i
+    while i >= 3 and len(out) < 30:
+        out += [10 + 2 * i, 11 + 2 * i, x]
+        x += 1
+    c = 0
+    while len(out) < length:
+        out += phrases[c % 3]
+        c += 1
+    return prompt, out[:length]
+
+
+def test_drafts_by_source_under_scripted_time():
+    """r3-r5's drafts are all wrong for their first 30 tokens, then they copy as r0-r2 do all
+    along; the switch values each draft at its source's acceptance. Scripted time: faster
+    than off and than verifying every draft, the same tokens throughout, the late copiers'
+    drafts taken once they copy; the long matches' estimate ends high."""
+    scripts, prompts = {}, {}
+    for rid in RIDS:
+        prompts[rid], scripts[rid] = phased_script(rid)
+
+    def step_seconds(rows: int) -> float:
+        return 0.010 + 0.003 * rows
+
+    off_tokens, off_s, _ = scripted_run(scripts, prompts, step_seconds, 80, speculative_algorithm=None)
+    sched = create_spec_scheduler(scripts)
+    sched.worker.step_seconds = step_seconds
+    reqs = [make_req(rid, prompts[rid], max_new_tokens=80, ignore_eos=True) for rid in scripts]
+    on = run_to_completion(sched, reqs)
+    on_s = sched.worker.clock.now
+    raw_tokens, raw_s, _ = scripted_run(scripts, prompts, step_seconds, 80, speculative_adaptive=False)
+    assert off_tokens == on.tokens == raw_tokens == {rid: scripts[rid][:80] for rid in RIDS}
+    rates = {k: round(v.rate, 2) for k, v in sched.speculator.sources.items()}
+    assert rates["prompt:4"] > 0.8 and rates["prompt:2"] < rates["prompt:4"], rates
+    accepted = {rid: outs[-1].spec_accepted_tokens for rid, outs in on.outputs.items()}
+    assert all(accepted[rid] >= 30 for rid in RIDS[3:]), accepted
+    assert on_s < 0.8 * off_s and on_s < 0.95 * raw_s, (on_s / off_s, on_s / raw_s)
+
+
+def test_plan_values_each_draft_at_its_sources_acceptance():
+    """Two requests with measured step costs (an extra row is worth drafting above 0.4
+    tokens): one with a bad record of its own whose draft comes from a source whose drafts
+    were accepted (drafted in full), one with a good record whose draft comes from a source
+    whose drafts were rejected (not drafted). The source's estimate decides, not the
+    request's (on bench_spec's workloads a request's record told nothing within a source)."""
+    from types import SimpleNamespace
+
+    from arborlm.runtime.config import SpeculativeConfig
+    from arborlm.runtime.speculative.scheduling import SpecReqState, Speculator
+
+    spec = Speculator(SpeculativeConfig(speculative_algorithm="NGRAM"), context_length=4096)
+    policy = spec.policy
+    for kind, points in ((policy.DECODE, [(2, 0.020)] * 3), (policy.VERIFY, [(2, 0.020)] + [(n, 0.020 + 0.004 * (n - 2))
+                                                                                         for n in (4, 8, 14, 4, 8, 14)])):
+        policy.start_step(kind, points[0][0])
+        policy.end_step()  # the first step of a kind is a warm-up, not counted
+        for rows, seconds in points:
+            policy.costs[kind].observe(rows, seconds)
+    policy.steps_since = {policy.DECODE: 0, policy.VERIFY: 0}
+    for source, (accepted, tried) in {"prompt:4": (6, 6), "prompt:2": (0, 1)}.items():
+        for _ in range(20):
+            spec._source_estimate(source).observe(tried if source == "prompt:4" else 6, accepted)
+
+    def req(own_accepted: int, source: str):
+        acceptance = policy.new_estimate()
+        for _ in range(10):
+            acceptance.observe(6, own_accepted)
+        return SimpleNamespace(spec_state=SpecReqState(None, acceptance, source=source))
+
+    reqs = [req(0, "prompt:4"), req(6, "prompt:2")]
+    assert reqs[0].spec_state.acceptance.rate < 0.1 < 0.9 < reqs[1].spec_state.acceptance.rate
+    assert spec.plan(reqs, [6, 6]) == [6, 0]
+    assert spec.plan(reqs, [0, 6]) == [0, 0] and spec.stats.num_cost_skipped_batches == 1

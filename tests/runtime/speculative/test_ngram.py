@@ -53,6 +53,19 @@ def test_drafter_prefers_the_requests_own_tokens():
     assert drafter.propose(drafter.new_index(), [9, 1, 2], max_len=0) == []
 
 
+def test_drafts_name_their_source():
+    """`propose_sourced` says where each draft came from, with the suffix length matched: the
+    switch keeps an acceptance estimate per source (`Speculator.sources`)."""
+    drafter = NgramDrafter(2, 4, capacity=100, num_draft_tokens=3)
+    drafter.on_finished([0], [1, 2, 60, 61, 62])
+    tokens = [5, 6, 7, 8, 40, 5, 6, 7, 8]
+    assert drafter.propose_sourced(drafter.new_index(), tokens, 10) == ([40, 5, 6], "prompt:4")
+    assert drafter.propose_sourced(drafter.new_index(), [9, 6, 7, 8, 41, 3, 7, 8], 10) == ([41, 3, 7], "prompt:2")
+    assert drafter.propose_sourced(drafter.new_index(), [9, 1, 2], 10) == ([60, 61, 62], "recent:2")
+    assert drafter.propose_sourced(drafter.new_index(), [9, 3], 10) == ([], None)
+    assert drafter.propose_sourced(drafter.new_index(), tokens, 0) == ([], None)
+
+
 @pytest.mark.parametrize("draft, targets, first_invalid, want", [
     ([], [5], None, 1),
     ([5, 6, 7], [5, 6, 7, 8], None, 4),  # all accepted + the bonus token
@@ -150,7 +163,8 @@ def test_text_lookup_drafts_a_value_the_token_ngrams_miss(tiny_tokenizer):
     tokens = prompt + output
     drafter = NgramDrafter(2, 4, 0, 6, tok)
     assert drafter.propose(drafter.new_index(), tokens, 6) == []  # token n-grams alone
-    draft = drafter.propose(drafter.new_index(), tokens, 6, drafter.new_text_lookup(prompt))
+    draft, source = drafter.propose_sourced(drafter.new_index(), tokens, 6, drafter.new_text_lookup(prompt))
+    assert source == "text"
     assert draft, "the text ' Turing; city: ...' follows 'Alan' in the prompt"
     assert tok.decode(draft).startswith(" Turing;")
     assert len(draft) <= 6
@@ -228,6 +242,10 @@ def test_a_value_after_a_json_key_drafts_from_the_prompts_label(tiny_tokenizer):
     after ' "', a number bare; the key may be in any case and the label use '=' too."""
     tok = tiny_tokenizer
     assert _value_draft(tok, '{"name":').startswith(' "Alan Turing')
+    ids = tok.encode(RECORD_PROMPT + '{"name":', add_special_tokens=False)
+    drafter = NgramDrafter(2, 4, 0, 6, tok)
+    lookup = drafter.new_text_lookup(tok.encode(RECORD_PROMPT, add_special_tokens=False))
+    assert drafter.propose_sourced(drafter.new_index(), ids, 6, lookup)[1] == "value"
     assert _value_draft(tok, '{"name": "Alan Turing", "city":').startswith(' "London')
     assert _value_draft(tok, '{"name": "A", "city": "London", "year":').startswith(" 1912")
     assert _value_draft(tok, '{"Name":').startswith(' "Alan')
