@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 class AdaptiveConfig:
     """Constants of the switch (dimensionless; decays are the weight kept per observation).
 
-    prior_rate, prior_weight: a new request's acceptance rate and how many draft
-        tokens' worth of evidence it counts as.
+    prior_rate, prior_weight: a new request's (draft source's) acceptance rate and how
+        many draft tokens' worth of evidence it counts as.
     rate_decay: weight a request's acceptance estimate keeps per verify step of its request.
     source_decay: weight a draft source's estimate (shared by every request's drafts
         of that source, several per step) keeps per verify result it counts.
