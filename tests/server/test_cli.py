@@ -67,3 +67,20 @@ def test_openapi_operation_ids_are_unique():
         schema = app.openapi()
     ids = [op["operationId"] for path in schema["paths"].values() for op in path.values()]
     assert len(ids) == len(set(ids)) and {"flush_cache_get", "flush_cache_post"} <= set(ids)
+
+
+@pytest.mark.parametrize("command", [["arborlm.launch_server"], ["arborlm", "serve"]])
+def test_sglangs_launch_module_spelling_runs_serve(command):
+    """`python -m arborlm.launch_server ...` (SGLang's `python -m sglang.launch_server`) is
+    `arborlm serve ...`: the same options, the same usage error naming a bad one (here
+    before any model loads)."""
+    import subprocess
+    import sys
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", *command, *args], capture_output=True, text=True, timeout=120)
+
+    out = run("--speculative-algorithm", "BOGUS")
+    assert out.returncode == 2 and "speculative_algorithm='BOGUS'" in out.stderr, out.stderr
+    helped = run("--help")
+    assert helped.returncode == 0 and "--model-path" in helped.stdout and "--speculative-algorithm" in helped.stdout
