@@ -13,7 +13,7 @@ over this engine's own measurements:
 
 * Per draft, a token acceptance rate ``a`` (an exponentially weighted
   estimate, `AcceptanceEstimate`): an n-gram draft's is that of its source,
-  shared by every request (`ngram.NgramDrafter.propose_sourced`: a suffix of
+  shared by every request (`ngram.NgramDrafter.propose`: a suffix of
   4 tokens matched in the request's own tokens, 2 tokens, a value looked up
   on the prompt's text ...), which predicts acceptance far better than the
   request's own history; a draft model's is its request's. Taking draft tokens ``1..k`` it expects

@@ -65,13 +65,10 @@ class PromptLookupIndex:
                 self.ends[tuple(tokens[i - n : i])] = i
         self.indexed_upto = max(self.indexed_upto, last + 1)
 
-    def propose(self, tokens: Sequence[int], num_draft_tokens: int) -> list[int]:
+    def propose(self, tokens: Sequence[int], num_draft_tokens: int) -> tuple[list[int], int]:
         """Up to ``num_draft_tokens`` tokens that followed the longest matching suffix of
-        ``tokens`` earlier in ``tokens`` ([] when no suffix of ``min_match`` tokens recurs)."""
-        return self.lookup(tokens, num_draft_tokens)[0]
-
-    def lookup(self, tokens: Sequence[int], num_draft_tokens: int) -> tuple[list[int], int]:
-        """`propose`'s draft and the length of the suffix it matched (0 with no draft)."""
+        ``tokens`` earlier in ``tokens``, and that suffix's length (([], 0) when no suffix of
+        ``min_match`` tokens recurs)."""
         self.update(tokens)
         for n in range(min(self.max_match, len(tokens)), self.min_match - 1, -1):
             end = self.ends.get(tuple(tokens[len(tokens) - n :]))
@@ -120,12 +117,9 @@ class RecentOutputIndex:
         while len(self._table) > self.capacity:
             self._table.popitem(last=False)
 
-    def propose(self, tokens: Sequence[int], num_draft_tokens: int) -> list[int]:
-        """The continuation of the longest suffix of ``tokens`` in the table ([] when none)."""
-        return self.lookup(tokens, num_draft_tokens)[0]
-
-    def lookup(self, tokens: Sequence[int], num_draft_tokens: int) -> tuple[list[int], int]:
-        """`propose`'s draft and the length of the suffix it matched (0 with no draft)."""
+    def propose(self, tokens: Sequence[int], num_draft_tokens: int) -> tuple[list[int], int]:
+        """The continuation of the longest suffix of ``tokens`` in the table, and that
+        suffix's length (([], 0) when none)."""
         for n in range(min(self.max_match, len(tokens)), self.min_match - 1, -1):
             cont = self._table.get(tuple(tokens[len(tokens) - n :]))
             if cont is not None:
@@ -278,15 +272,11 @@ class NgramDrafter:
         return TextLookup(text)
 
     def propose(self, index: PromptLookupIndex, tokens: Sequence[int], max_len: int,
-                text: TextLookup | None = None) -> list[int]:
-        """At most ``min(max_len, num_draft_tokens)`` draft tokens to follow ``tokens``: the
-        first source of the module docstring that has some (``text``: the request's source 3)."""
-        return self.propose_sourced(index, tokens, max_len, text)[0]
-
-    def propose_sourced(self, index: PromptLookupIndex, tokens: Sequence[int], max_len: int,
-                        text: TextLookup | None = None) -> tuple[list[int], str | None]:
-        """`propose`'s draft and where it came from (None with no draft): ``"value"``, ``"text"``,
-        or ``"prompt:n"`` / ``"recent:n"`` for a token n-gram suffix of n tokens matched in the
+                text: TextLookup | None = None) -> tuple[list[int], str | None]:
+        """At most ``min(max_len, num_draft_tokens)`` draft tokens to follow ``tokens``, from the
+        first source of the module docstring that has some (``text``: the request's source 3),
+        and that source's name (None with no draft): ``"value"``, ``"text"``, or
+        ``"prompt:n"`` / ``"recent:n"`` for a token n-gram suffix of n tokens matched in the
         request's own tokens / in other requests' outputs. How often a draft is accepted
         follows its source far more than the request (docs/speculative.md, "Acceptance by
         draft source"): on bench_spec's workloads, drafts of a 4-token match were kept at
@@ -298,10 +288,10 @@ class NgramDrafter:
             draft = self._from_text(text.propose_value, tokens, limit)
             if draft:
                 return draft, "value"
-        draft, n = index.lookup(tokens, limit)
+        draft, n = index.propose(tokens, limit)
         if draft:
             return draft, f"prompt:{n}"
-        draft, n = self.recent.lookup(tokens, limit)
+        draft, n = self.recent.propose(tokens, limit)
         if draft:
             return draft, f"recent:{n}"
         if text is not None:

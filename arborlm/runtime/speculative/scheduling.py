@@ -15,7 +15,7 @@ Adaptive switch: no drafting at all while the decode batch holds
 compute-bound, and verify work is then no longer free); below that, the
 cost-aware `adaptive.AdaptivePolicy` decides how many of the proposed draft
 tokens each request takes (0: none), from the measured acceptance of each
-draft's source (shared by every request: `ngram.NgramDrafter.propose_sourced`)
+draft's source (shared by every request: `ngram.NgramDrafter.propose`)
 and the measured times of plain decode and verify steps.
 """
 
@@ -93,7 +93,7 @@ class Speculator:
     def __post_init__(self):
         cfg = self.config
         self._structural: list[int] | None = None
-        # Acceptance per draft source (`NgramDrafter.propose_sourced`'s names, and "structural"),
+        # Acceptance per draft source (`NgramDrafter.propose`'s names, and "structural"),
         # shared by every request: a handful of keys (sources x match lengths).
         self.sources: dict[str, AcceptanceEstimate] = {}
         self.drafter = NgramDrafter(cfg.speculative_ngram_min_match_window_size,
@@ -159,7 +159,7 @@ class Speculator:
         if room <= 0:
             return []
         state = req.spec_state
-        draft, state.source = self.drafter.propose_sourced(state.index, req.fill_ids, room, state.text)
+        draft, state.source = self.drafter.propose(state.index, req.fill_ids, room, state.text)
         if req.grammar is not None:
             draft = grammatical_prefix(req.grammar, draft)
             if not draft and self.tokenizer is not None:

@@ -19,7 +19,7 @@ from tests.runtime.speculative.fake_matchers import HistoryMatcher
     ([3], 3, []),
 ])
 def test_prompt_lookup(tokens, k, want):
-    assert PromptLookupIndex(2, 3).propose(tokens, k) == want
+    assert PromptLookupIndex(2, 3).propose(tokens, k)[0] == want
 
 
 def test_prompt_lookup_grows_incrementally():
@@ -29,41 +29,41 @@ def test_prompt_lookup_grows_incrementally():
     for t in [4, 8, 15, 99, 4, 8]:
         tokens.append(t)
         assert index.propose(tokens, 3) == PromptLookupIndex(1, 4).propose(tokens, 3)
-    assert index.propose(tokens, 3) == [15, 99, 4]
+    assert index.propose(tokens, 3)[0] == [15, 99, 4]
 
 
 def test_recent_outputs_are_shared_and_bounded():
     index = RecentOutputIndex(2, 3, capacity=9, continuation_len=4)
     index.add([1, 2], [10, 11, 12, 13, 14])
-    assert index.propose([9, 9, 10, 11], 4) == [12, 13, 14]
-    assert index.propose([5, 1, 2], 2) == [10, 11]  # keyed by the prompt's tail too
+    assert index.propose([9, 9, 10, 11], 4)[0] == [12, 13, 14]
+    assert index.propose([5, 1, 2], 2)[0] == [10, 11]  # keyed by the prompt's tail too
     assert len(index) == 9  # 1 2 | 2 10, 1 2 10 | ... | 12 13, 11 12 13
     index.add([7], [50, 51, 52, 53, 54, 55, 56])  # the oldest keys make room
     assert len(index) == 9
-    assert index.propose([10, 11], 4) == []
-    assert index.propose([52, 53], 4) == [54, 55, 56]
+    assert index.propose([10, 11], 4)[0] == []
+    assert index.propose([52, 53], 4)[0] == [54, 55, 56]
 
 
 def test_drafter_prefers_the_requests_own_tokens():
     drafter = NgramDrafter(2, 3, capacity=100, num_draft_tokens=3)
     drafter.on_finished([0], [1, 2, 60, 61, 62])
     own = drafter.new_index()
-    assert drafter.propose(own, [1, 2, 30, 31, 1, 2], max_len=10) == [30, 31, 1]
-    assert drafter.propose(drafter.new_index(), [9, 1, 2], max_len=2) == [60, 61]
-    assert drafter.propose(drafter.new_index(), [9, 1, 2], max_len=0) == []
+    assert drafter.propose(own, [1, 2, 30, 31, 1, 2], max_len=10)[0] == [30, 31, 1]
+    assert drafter.propose(drafter.new_index(), [9, 1, 2], max_len=2)[0] == [60, 61]
+    assert drafter.propose(drafter.new_index(), [9, 1, 2], max_len=0)[0] == []
 
 
 def test_drafts_name_their_source():
-    """`propose_sourced` says where each draft came from, with the suffix length matched: the
+    """`propose` says where each draft came from, with the suffix length matched: the
     switch keeps an acceptance estimate per source (`Speculator.sources`)."""
     drafter = NgramDrafter(2, 4, capacity=100, num_draft_tokens=3)
     drafter.on_finished([0], [1, 2, 60, 61, 62])
     tokens = [5, 6, 7, 8, 40, 5, 6, 7, 8]
-    assert drafter.propose_sourced(drafter.new_index(), tokens, 10) == ([40, 5, 6], "prompt:4")
-    assert drafter.propose_sourced(drafter.new_index(), [9, 6, 7, 8, 41, 3, 7, 8], 10) == ([41, 3, 7], "prompt:2")
-    assert drafter.propose_sourced(drafter.new_index(), [9, 1, 2], 10) == ([60, 61, 62], "recent:2")
-    assert drafter.propose_sourced(drafter.new_index(), [9, 3], 10) == ([], None)
-    assert drafter.propose_sourced(drafter.new_index(), tokens, 0) == ([], None)
+    assert drafter.propose(drafter.new_index(), tokens, 10) == ([40, 5, 6], "prompt:4")
+    assert drafter.propose(drafter.new_index(), [9, 6, 7, 8, 41, 3, 7, 8], 10) == ([41, 3, 7], "prompt:2")
+    assert drafter.propose(drafter.new_index(), [9, 1, 2], 10) == ([60, 61, 62], "recent:2")
+    assert drafter.propose(drafter.new_index(), [9, 3], 10) == ([], None)
+    assert drafter.propose(drafter.new_index(), tokens, 0) == ([], None)
 
 
 @pytest.mark.parametrize("draft, targets, first_invalid, want", [
@@ -123,7 +123,7 @@ def copy_trace(prompt: list[int], answer: list[int], min_match: int, max_match: 
     out = [answer[0]]  # the prefill's token
     trace = []
     while len(out) < len(answer):
-        draft = drafter.propose(index, prompt + out, len(answer) - len(out) - 1)
+        draft, _ = drafter.propose(index, prompt + out, len(answer) - len(out) - 1)
         n = accept_greedy(draft, answer[len(out): len(out) + len(draft) + 1])
         trace.append(len(draft))
         out += answer[len(out): len(out) + n]
@@ -162,8 +162,8 @@ def test_text_lookup_drafts_a_value_the_token_ngrams_miss(tiny_tokenizer):
     output = tok.encode('{"name": "Alan', add_special_tokens=False)
     tokens = prompt + output
     drafter = NgramDrafter(2, 4, 0, 6, tok)
-    assert drafter.propose(drafter.new_index(), tokens, 6) == []  # token n-grams alone
-    draft, source = drafter.propose_sourced(drafter.new_index(), tokens, 6, drafter.new_text_lookup(prompt))
+    assert drafter.propose(drafter.new_index(), tokens, 6)[0] == []  # token n-grams alone
+    draft, source = drafter.propose(drafter.new_index(), tokens, 6, drafter.new_text_lookup(prompt))
     assert source == "text"
     assert draft, "the text ' Turing; city: ...' follows 'Alan' in the prompt"
     assert tok.decode(draft).startswith(" Turing;")
@@ -175,7 +175,7 @@ def test_text_lookup_without_a_match_or_a_tokenizer_drafts_nothing(tiny_tokenize
     prompt = tok.encode(RECORD_PROMPT, add_special_tokens=False)
     tokens = prompt + tok.encode('{"name": "Zq', add_special_tokens=False)
     drafter = NgramDrafter(2, 4, 0, 6, tok)
-    assert drafter.propose(drafter.new_index(), tokens, 6, drafter.new_text_lookup(prompt)) == []
+    assert drafter.propose(drafter.new_index(), tokens, 6, drafter.new_text_lookup(prompt))[0] == []
     assert NgramDrafter(2, 4, 0, 6).new_text_lookup(prompt) is None
 
 
@@ -225,13 +225,13 @@ def test_a_tokenizer_failure_drafts_nothing_instead_of_failing_the_step(tiny_tok
     assert drafter.new_text_lookup(prompt) is None
     lookup = NgramDrafter(2, 4, 0, 6, tiny_tokenizer).new_text_lookup(prompt)
     tokens = prompt + tiny_tokenizer.encode('{"name": "Alan', add_special_tokens=False)
-    assert drafter.propose(drafter.new_index(), tokens, 6, lookup) == []
+    assert drafter.propose(drafter.new_index(), tokens, 6, lookup)[0] == []
 
 
 def _value_draft(tok, output: str, num: int = 6, prompt: str = RECORD_PROMPT) -> str:
     ids = tok.encode(prompt, add_special_tokens=False)
     drafter = NgramDrafter(2, 4, 0, num, tok)
-    draft = drafter.propose(drafter.new_index(), ids + tok.encode(output, add_special_tokens=False), num,
+    draft, _ = drafter.propose(drafter.new_index(), ids + tok.encode(output, add_special_tokens=False), num,
                             drafter.new_text_lookup(ids))
     assert len(draft) <= num
     return tok.decode(draft)
@@ -245,7 +245,7 @@ def test_a_value_after_a_json_key_drafts_from_the_prompts_label(tiny_tokenizer):
     ids = tok.encode(RECORD_PROMPT + '{"name":', add_special_tokens=False)
     drafter = NgramDrafter(2, 4, 0, 6, tok)
     lookup = drafter.new_text_lookup(tok.encode(RECORD_PROMPT, add_special_tokens=False))
-    assert drafter.propose_sourced(drafter.new_index(), ids, 6, lookup)[1] == "value"
+    assert drafter.propose(drafter.new_index(), ids, 6, lookup)[1] == "value"
     assert _value_draft(tok, '{"name": "Alan Turing", "city":').startswith(' "London')
     assert _value_draft(tok, '{"name": "A", "city": "London", "year":').startswith(" 1912")
     assert _value_draft(tok, '{"Name":').startswith(' "Alan')
