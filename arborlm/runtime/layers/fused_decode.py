@@ -64,11 +64,16 @@ def _packs(layer) -> tuple:
 
 
 def _pack_of(module) -> object | None:
-    """A quantized linear's packed parts are its `weights` (replaced by `set_weights`), a plain
-    linear's its `packed_weight` (replaced by `pack`): plain attributes, in the module's dict."""
+    """A projection's packed parts (`_pack_name`), from the module's dict."""
     if module is None:
         return None
-    return module.__dict__.get("weights" if isinstance(module, QuantizedLinear) else "packed_weight")
+    return module.__dict__.get(_pack_name(module))
+
+
+def _pack_name(module) -> str:
+    """A quantized linear's packed parts are its `weights` (replaced by `set_weights`), a plain
+    linear's its `packed_weight` (replaced by `pack`): plain attributes, in the module's dict."""
+    return "weights" if isinstance(module, QuantizedLinear) else "packed_weight"
 
 
 def _watched(layers) -> tuple[list[dict], list[str]]:
@@ -88,7 +93,7 @@ def _watched(layers) -> tuple[list[dict], list[str]]:
             for proj in projections:
                 module = owner[proj]
                 dicts += [owner, module.__dict__]
-                keys += [proj, "weights" if isinstance(module, QuantizedLinear) else "packed_weight"]
+                keys += [proj, _pack_name(module)]
     return dicts, keys
 
 

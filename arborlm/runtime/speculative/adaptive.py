@@ -97,6 +97,8 @@ class AcceptanceEstimate:
     tried: float = field(init=False)
 
     def __post_init__(self):
+        if self.decay is None:
+            self.decay = self.config.rate_decay
         self.accepted = self.config.prior_rate * self.config.prior_weight
         self.tried = self.config.prior_weight
 
@@ -109,9 +111,8 @@ class AcceptanceEstimate:
         """Count one verify step: ``num_accepted`` of ``draft_len`` draft tokens kept."""
         if draft_len <= 0:
             return
-        decay = self.config.rate_decay if self.decay is None else self.decay
-        self.accepted = decay * self.accepted + num_accepted
-        self.tried = decay * self.tried + min(draft_len, num_accepted + 1)
+        self.accepted = self.decay * self.accepted + num_accepted
+        self.tried = self.decay * self.tried + min(draft_len, num_accepted + 1)
 
     def forget(self) -> None:
         """Move a step's share of the evidence back to the prior (a step without verifying)."""
